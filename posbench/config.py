@@ -1,0 +1,164 @@
+"""Structured configs for posbench: the schema Hydra composes into, and the value checks.
+
+The dataclasses below are registered in Hydra's ConfigStore as ``posbench_schema`` and are the first
+entry of every defaults list in ``conf/``, so a misspelt key or a wrong type fails at composition time.
+:func:`finalize` fills the derived defaults (evaluation lengths, the learned table size) and checks
+values (:class:`ConfigError`) before any data is read or any step is trained.
+
+Scheme, model and data code never see these objects: the CLI hands them plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+PROTOCOLS = ("nonoverlapping", "sliding")
+SPLITS = ("validation", "test")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the CLI prints its message as one line and exits with status 2."""
+
+
+@dataclass
+class SchemeConfig:
+    name: str = "rope"
+    base: float = 10000.0  # RoPE base θ; also the sinusoidal wavelength base (Vaswani et al. use 10000)
+    max_positions: Optional[int] = None  # learned table rows; None = the largest evaluation length
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int = 512
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare"
+    vocab_size: int = 4096
+    cache_dir: Optional[str] = None  # None = $POSBENCH_CACHE or ~/.cache/posbench
+    validation: List[str] = field(default_factory=list)  # held-out documents (plays) for validation
+    test: List[str] = field(default_factory=list)  # held-out documents (plays) for test
+    train_files: List[str] = field(default_factory=list)  # data=text: files or folders
+    validation_files: List[str] = field(default_factory=list)
+    test_files: List[str] = field(default_factory=list)
+    path: Optional[str] = None  # hub corpora: a local copy instead of the Hub name
+    num_proc: int = 1  # tokenization worker processes
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 128  # the train length L, in tokens
+    batch_size: int = 16  # sequences per step
+    steps: int = 400
+    lr: float = 2e-3
+    min_lr: float = 2e-4  # end of the cosine decay
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    device: str = "auto"  # auto | cpu | cuda
+    threads: Optional[int] = None  # torch CPU threads; None = the cores this process may use
+    log_every: int = 50
+
+
+@dataclass
+class EvalConfig:
+    lengths: Optional[List[int]] = None  # None = L, 2L, 4L, 8L, 16L
+    protocol: str = "nonoverlapping"
+    stride: Optional[int] = None  # sliding-window stride S
+    split: str = "validation"
+    max_tokens: int = 16384  # budget: tokens scored per evaluation length
+    batch_tokens: int = 16384  # tokens per forward pass
+
+
+@dataclass
+class PosbenchConfig:
+    scheme: SchemeConfig = field(default_factory=SchemeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+
+
+def register() -> None:
+    """Store the schema in Hydra's ConfigStore as ``posbench_schema`` (idempotent)."""
+    ConfigStore.instance().store(name="posbench_schema", node=PosbenchConfig)
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
+
+
+def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
+    """Fill derived defaults in place and check every value; return ``cfg``.
+
+    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and, for the learned scheme,
+    ``scheme.max_positions`` (None → the largest evaluation length).
+
+    Raises:
+        ConfigError: a non-positive length or size, an evaluation length < 2, an empty
+            ``eval.lengths``, heads that do not divide the width, a learned table smaller than the
+            largest evaluation length, an unknown scheme (``schemes`` lists the allowed names),
+            protocol or split, or a stride outside 1…min(lengths).
+    """
+    t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
+    if schemes and s.name not in schemes:
+        raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(schemes))}")
+    for key in ("seq_len", "batch_size", "steps"):
+        _positive(f"train.{key}", t[key])
+    for key in ("n_layer", "n_head", "d_model", "d_ff"):
+        _positive(f"model.{key}", m[key])
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    _positive("eval.max_tokens", e.max_tokens)
+    _positive("eval.batch_tokens", e.batch_tokens)
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
+        raise ConfigError("train.lr must be > 0, train.min_lr and train.warmup_steps >= 0")
+    if e.lengths is None:
+        e.lengths = [t.seq_len * 2**k for k in range(5)]
+    if len(e.lengths) == 0:
+        raise ConfigError("eval.lengths=[] is empty: give at least one evaluation length >= 2")
+    for n in e.lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
+    if e.protocol not in PROTOCOLS:
+        raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
+    if e.split not in SPLITS:
+        raise ConfigError(f"eval.split={e.split!r} is unknown; choose one of: {', '.join(SPLITS)}")
+    if e.protocol == "sliding":
+        if e.stride is None:
+            raise ConfigError("eval.protocol=sliding needs eval.stride (1 <= stride <= the evaluation length)")
+        if e.stride < 1 or e.stride > min(e.lengths):
+            raise ConfigError(
+                f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest evaluation length {min(e.lengths)}"
+            )
+    if s.name == "learned":
+        if s.max_positions is None:
+            s.max_positions = max(max(e.lengths), t.seq_len)
+        longest = max(max(e.lengths), t.seq_len)
+        if s.max_positions < longest:
+            raise ConfigError(
+                f"scheme.max_positions={s.max_positions} is smaller than the longest length {longest}: "
+                "a learned table cannot serve positions past its rows; raise scheme.max_positions"
+            )
+    return cfg
+
+
+def to_dict(cfg: DictConfig) -> dict:
+    """The resolved config as a plain dict (what results and checkpoints record)."""
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,123 @@
+"""Perplexity at many evaluation lengths, under the protocols of DESIGN.md §6, with per-position loss.
+
+Imports no training code. ``evaluate(model, tokens, lengths, ...)`` scores the same span of N target
+tokens at every evaluation length, so perplexities compare across lengths:
+
+* ``nonoverlapping`` — the stream is cut into consecutive windows of L_eval tokens; each window
+  predicts its next L_eval tokens, so every target is scored exactly once (the first target of a window
+  with one token of context). A ragged last window covers what is left of the span.
+* ``sliding`` (stride S) — windows of L_eval tokens advance by S; the first window scores all its
+  targets, every later one only its last S (the final one only what is still unscored), so every target
+  is scored exactly once with at least L_eval − S tokens of context where the stream allows.
+
+Perplexity is exp(total NLL / tokens scored), token-weighted; NLL is in nats per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MAX_POSITION_BINS = 64  # per-position loss of longer windows is binned on a log scale
+
+
+def span(available: int, lengths: list[int], max_tokens: int) -> int:
+    """Target tokens N scored at every length: min(budget, available − 1), cut to a multiple of max(lengths).
+
+    Args:
+        available: tokens in the evaluation split.
+    Raises:
+        ValueError: the split is shorter than the longest evaluation length plus one token.
+    """
+    longest = max(lengths)
+    if available - 1 < longest:
+        raise ValueError(f"the evaluation split has {available} tokens, fewer than the longest evaluation "
+                         f"length {longest} + 1; use shorter eval.lengths or a larger split")
+    n = min(max_tokens, available - 1)
+    return max(longest, n - n % longest)
+
+
+def windows(n: int, length: int, protocol: str, stride: int | None = None) -> list[tuple[int, int, int]]:
+    """The windows that score targets 1…n of a stream: a list of (start, size, first scored index).
+
+    A window feeds inputs tokens[start : start+size] and is scored on the predictions at window indices
+    first…size−1 (targets tokens[start+first+1 : start+size+1]). Every target is scored exactly once.
+    Raises ValueError for an unknown protocol or a stride outside 1…length.
+    """
+    if protocol == "nonoverlapping":
+        return [(a, min(length, n - a), 0) for a in range(0, n, length)]
+    if protocol != "sliding":
+        raise ValueError(f"unknown protocol {protocol!r}; choose nonoverlapping or sliding")
+    if stride is None or not 1 <= stride <= length:
+        raise ValueError(f"stride {stride!r} must be between 1 and the evaluation length {length}")
+    size = min(length, n)
+    out, done = [(0, size, 0)], size  # targets 1…done are scored
+    while done < n:
+        end = min(done + stride, n)  # this window's last target
+        out.append((end - size, size, size - (end - done)))
+        done = end
+    return out
+
+
+def position_bins(length: int) -> np.ndarray:
+    """Left edges of the per-position bins for a window of ``length``: every index up to 64, else log-spaced."""
+    if length <= MAX_POSITION_BINS:
+        return np.arange(length)
+    return np.unique(np.geomspace(1, length, MAX_POSITION_BINS).astype(int) - 1)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], protocol: str = "nonoverlapping",
+             stride: int | None = None, max_tokens: int = 16384, batch_tokens: int = 16384,
+             device: str | torch.device = "cpu", progress=None) -> list[dict]:
+    """Perplexity of ``model`` on ``tokens`` at every evaluation length.
+
+    Args:
+        model: maps (B, T) int64 ids to (B, T, V) logits.
+        tokens: 1-D token ids of the evaluation split.
+        lengths: evaluation lengths L_eval (tokens per window).
+        protocol, stride: see the module docstring.
+        max_tokens: budget N of scored targets per length (see :func:`span`).
+        batch_tokens: inputs per forward pass (windows of one size are batched up to this).
+        progress: optional callable(str) told which length is being scored.
+    Returns:
+        One dict per length: ``length``, ``ppl``, ``nll`` (nats/token), ``tokens`` (scored),
+        ``windows``, and ``nll_by_position`` ({"position": left bin edges, "nll": mean NLL per bin}).
+    Raises:
+        ValueError: the split is too short for the longest length (see :func:`span`).
+    """
+    n = span(len(tokens), lengths, max_tokens)
+    stream = torch.from_numpy(np.asarray(tokens[: n + 1], dtype=np.int64))
+    was_training = model.training
+    model.eval()
+    results = []
+    for length in lengths:
+        if progress:
+            progress(f"evaluating at length {length}")
+        wins = windows(n, length, protocol, stride)
+        pos_sum = torch.zeros(length, dtype=torch.float64)
+        pos_count = torch.zeros(length, dtype=torch.float64)
+        for size in sorted({w[1] for w in wins}, reverse=True):
+            group = [w for w in wins if w[1] == size]
+            per_batch = max(1, batch_tokens // size)
+            for b in range(0, len(group), per_batch):
+                chunk = group[b: b + per_batch]
+                x = torch.stack([stream[a: a + size] for a, _, _ in chunk]).to(device)  # (B, T)
+                y = torch.stack([stream[a + 1: a + size + 1] for a, _, _ in chunk]).to(device)  # (B, T)
+                logits = model(x).float()  # (B, T, V)
+                nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B, T)
+                scored = torch.arange(size, device=device)[None, :] >= torch.tensor([f for _, _, f in chunk], device=device)[:, None]
+                pos_sum[:size] += (nll * scored).sum(0).double().cpu()
+                pos_count[:size] += scored.sum(0).double().cpu()
+        total, count = pos_sum.sum().item(), int(pos_count.sum().item())
+        assert count == n, f"scored {count} targets, expected {n}"  # the protocol's invariant
+        edges = position_bins(length)
+        bounds = list(edges[1:]) + [length]
+        by_pos = [pos_sum[a:e].sum().item() / max(1.0, pos_count[a:e].sum().item()) for a, e in zip(edges, bounds)]
+        results.append({"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
+                        "windows": len(wins), "nll_by_position": {"position": edges.tolist(), "nll": by_pos}})
+    model.train(was_training)
+    return results
