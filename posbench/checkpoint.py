@@ -26,11 +26,13 @@ def build_model(config: dict, vocab_size: int) -> GPT:
     return GPT(vocab_size, m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"])
 
 
-def save(path: Path, model: torch.nn.Module, config: dict, vocab_size: int, tokenizer: dict, step: int) -> None:
-    """Write a checkpoint atomically: to a temporary file, fsync, then rename over ``path``."""
+def save(path: Path, model: torch.nn.Module, config: dict, vocab_size: int, tokenizer: dict, step: int, **extra) -> None:
+    """Write a checkpoint atomically: to a temporary file, fsync, then rename over ``path``.
+
+    ``extra`` holds further plain values to keep (e.g. ``train_tokens``)."""
     tmp = path.with_name(path.name + ".tmp")
     state = {"format": FORMAT, "model": model.state_dict(), "config": config, "vocab_size": vocab_size,
-             "tokenizer": tokenizer, "step": step}
+             "tokenizer": tokenizer, "step": step, **extra}
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -38,22 +40,32 @@ def save(path: Path, model: torch.nn.Module, config: dict, vocab_size: int, toke
     os.replace(tmp, path)
 
 
-def load(path: Path, device="cpu") -> tuple[GPT, dict]:
-    """Rebuild the model from a checkpoint; return (model in eval mode, the checkpoint dict without weights).
+def read(path: Path, device="cpu") -> dict:
+    """The checkpoint dict at ``path``, memory-mapped (weights are read only when used).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ValueError: the file is not a posbench checkpoint or has an unknown format.
+        ValueError: the file is not a readable posbench checkpoint, or its format is not :data:`FORMAT`.
     """
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # torch raises many kinds for a damaged or foreign file
         raise ValueError(f"{str(path)!r} is not a readable posbench checkpoint ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else None
-        raise ValueError(f"checkpoint {str(path)!r} has format {found!r}; this posbench reads format {FORMAT}")
+        raise ValueError(f"checkpoint {str(path)!r} has format {found!r}; this posbench reads format {FORMAT} "
+                         "(a checkpoint from a newer or unknown posbench)")
+    return state
+
+
+def load(path: Path, device="cpu") -> tuple[GPT, dict]:
+    """Rebuild the model from a checkpoint; return (model in eval mode, the checkpoint dict without weights).
+
+    Raises FileNotFoundError / ValueError as :func:`read`.
+    """
+    state = read(path, device)
     model = build_model(state["config"], state["vocab_size"]).to(device)
     model.load_state_dict(state.pop("model"))
     return model.eval(), state

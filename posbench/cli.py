@@ -3,6 +3,8 @@
     posbench train scheme=alibi train.seq_len=64             # one run into outputs/<date>/<time>_alibi
     posbench train -m experiment=demo                        # the four-scheme sweep; a table at the end
     posbench train --cfg job                                 # print the composed config (any Hydra flag works)
+    posbench eval run=outputs/…/alibi eval.protocol=sliding eval.stride=64   # re-evaluate, no retraining
+    posbench report multirun/2026-11-21/10-00-00 [--out DIR]  # report.md, report.csv and plots
 
 Each subcommand is one ``@hydra.main``. Before Hydra starts, every job of the command line (each
 combination of a sweep, the experiment's declared sweep included) is composed and checked, so a typo,
@@ -25,7 +27,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from posbench.config import ConfigError, finalize, register  # noqa: E402
+from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402
 
@@ -34,8 +36,8 @@ USAGE = """usage: posbench <command> [overrides...]
 
 commands:
   train    train at length L, evaluate at L..16L        posbench train scheme=alibi
-  eval     re-evaluate a trained run (next release)
-  report   tables and plots from runs (next release)
+  eval     re-evaluate a trained run          posbench eval run=<run folder> eval.protocol=sliding eval.stride=64
+  report   tables and plots from runs         posbench report <folders...> [--out DIR]
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
 
@@ -82,6 +84,9 @@ def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[s
     return [list(c) for c in itertools.product(*axes)]
 
 
+CHECKS = {"train": lambda cfg: finalize(cfg, SCHEMES), "eval": lambda cfg: eval_config(cfg, SCHEMES)}
+
+
 def preflight(argv: list[str], config_name: str) -> None:
     """Compose and check every job of ``argv``; exit with one error line on the first bad one."""
     from hydra import compose, initialize_config_module
@@ -92,25 +97,78 @@ def preflight(argv: list[str], config_name: str) -> None:
     overrides = [a for a in argv if not a.startswith("-")]
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            for job in _jobs(overrides, bool(flags), config_name):
-                finalize(compose(config_name, overrides=job), SCHEMES)
+            jobs = _jobs(overrides, bool(flags), config_name)
+            for job in jobs:
+                CHECKS[config_name](compose(config_name, overrides=job))
     except ConfigError as e:
         fail(str(e))
     except Exception as e:  # Hydra / OmegaConf composition errors
         fail(_one_line(e))
+    swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
+    os.environ["POSBENCH_SWEPT"] = ",".join(sorted(swept))  # the run name of each job: its swept overrides
+
+
+def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
+    """The wandb tracker of this Hydra job: named by its swept overrides, grouped by its sweep."""
+    from hydra.types import RunMode
+
+    from posbench.config import to_dict
+    from posbench.report import sweep_group
+    from posbench.tracking import Tracker
+
+    hc = HydraConfig.get()
+    swept = set(os.environ.get("POSBENCH_SWEPT", "").split(","))
+    name = ",".join(o for o in hc.overrides.task if o.split("=", 1)[0] in swept) or cfg.scheme.name
+    group = sweep_group(Path(hc.sweep.dir)) if hc.mode == RunMode.MULTIRUN else None
+    w = cfg.wandb
+    return Tracker(w.enabled, out_dir, w.project, w.entity, name=name, group=group, config=to_dict(cfg),
+                   job_type=job_type, tags=list(w.tags))
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> None:
     from posbench.train import train
 
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    tracker = _tracker(cfg, out_dir, "train")
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        train(cfg, out_dir, tracker)
+    except (ConfigError, DataError) as e:
+        tracker.finish(exit_code=2)
+        fail(str(e))
+    tracker.finish()
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
+def _eval(job: DictConfig) -> None:
+    from posbench.evaluate import reevaluate
+    from posbench.train import resolve_device, set_threads
+
+    try:
+        cfg, state = eval_config(job, SCHEMES)
+        device, threads = resolve_device(job.device), set_threads(job.threads)
+        reevaluate(cfg, state, Path(job.run), device, threads)
     except (ConfigError, DataError) as e:
         fail(str(e))
 
 
-COMMANDS = {"train": (_train, "train")}
+def _report(argv: list[str]) -> None:
+    import argparse
+
+    from posbench.report import ReportError, write_report
+
+    parser = argparse.ArgumentParser(prog="posbench report", description="Tables and plots from the runs under FOLDERs.")
+    parser.add_argument("folders", nargs="+", type=Path, help="run or sweep folders (searched recursively)")
+    parser.add_argument("--out", type=Path, help="where to write the report (default: the first folder)")
+    args = parser.parse_args(argv)
+    try:
+        table_text, _, _ = write_report(args.folders, args.out or args.folders[0])
+    except ReportError as e:
+        fail(str(e))
+    print(f"{table_text}\n\nreport: {(args.out or args.folders[0]) / 'report.md'}")
+
+
+COMMANDS = {"train": (_train, "train"), "eval": (_eval, "eval")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
+    if command == "report":
+        return _report(rest)
     if command not in COMMANDS:
-        fail(f"unknown command {command!r}; choose one of: {', '.join(COMMANDS)}")
+        fail(f"unknown command {command!r}; choose one of: train, eval, report")
     task, config_name = COMMANDS[command]
     register()
     preflight(rest, config_name)

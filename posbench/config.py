@@ -11,10 +11,11 @@ Scheme, model and data code never see these objects: the CLI hands them plain va
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 PROTOCOLS = ("nonoverlapping", "sliding")
 SPLITS = ("validation", "test")
@@ -82,18 +83,38 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = True  # offline unless WANDB_MODE says otherwise; WANDB_MODE=disabled turns it off
+    project: str = "posbench"
+    entity: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
 class PosbenchConfig:
     scheme: SchemeConfig = field(default_factory=SchemeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
 
 
+@dataclass
+class EvalJob:
+    """``posbench eval``: re-evaluate the checkpoint in ``run`` with these evaluation settings."""
+
+    run: str = MISSING  # a run folder holding checkpoint.pt
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    device: str = "auto"
+    threads: Optional[int] = None
+
+
 def register() -> None:
-    """Store the schema in Hydra's ConfigStore as ``posbench_schema`` (idempotent)."""
+    """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval)."""
     ConfigStore.instance().store(name="posbench_schema", node=PosbenchConfig)
+    ConfigStore.instance().store(name="posbench_eval_schema", node=EvalJob)
 
 
 def _positive(name: str, value) -> None:
@@ -153,10 +174,28 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
         longest = max(max(e.lengths), t.seq_len)
         if s.max_positions < longest:
             raise ConfigError(
-                f"scheme.max_positions={s.max_positions} is smaller than the longest length {longest}: "
-                "a learned table cannot serve positions past its rows; raise scheme.max_positions"
+                f"scheme.max_positions={s.max_positions}: a learned table of {s.max_positions} rows cannot serve "
+                f"length {longest}; use lengths <= {s.max_positions} or train with a larger scheme.max_positions"
             )
     return cfg
+
+
+def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
+    """``posbench eval``: the run's resolved config with ``job.eval`` in place of its evaluation settings.
+
+    Returns (checked config, checkpoint dict). Raises ConfigError for a run folder without a readable
+    checkpoint of a known format, and for evaluation settings the run cannot serve (see :func:`finalize`).
+    """
+    from posbench import checkpoint
+
+    path = Path(job.run) / checkpoint.NAME
+    try:
+        state = checkpoint.read(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"run={job.run!r}: {e}") from None
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])
+    cfg.eval = job.eval
+    return finalize(cfg, schemes), state
 
 
 def to_dict(cfg: DictConfig) -> dict:

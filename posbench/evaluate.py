@@ -121,3 +121,24 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                         "windows": len(wins), "nll_by_position": {"position": edges.tolist(), "nll": by_pos}})
     model.train(was_training)
     return results
+
+
+def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -> dict:
+    """``posbench eval``: score the checkpoint ``state`` of ``run_dir`` with ``cfg.eval``; return the record
+    written to a new ``eval-<protocol>-<split>-<n>.json`` (earlier results are never overwritten)."""
+    from pathlib import Path
+
+    from posbench import checkpoint, data, report
+    from posbench.config import to_dict
+
+    run_dir, e = Path(run_dir), cfg.eval
+    corpus = data.prepare(**state["config"]["data"])  # the same cache key: reused, or rebuilt if deleted
+    model = checkpoint.build_model(state["config"], state["vocab_size"]).to(device)
+    model.load_state_dict(state["model"])
+    rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
+                    e.batch_tokens, device, progress=progress)
+    rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
+                        train_seconds=None, device=str(device), threads=threads)
+    path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
+    print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)
+    return rec

@@ -25,6 +25,7 @@ from posbench import checkpoint, data, report
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.evaluate import evaluate, span
 from posbench.positional import SCHEMES
+from posbench.tracking import Tracker
 
 log = logging.getLogger("posbench")
 
@@ -73,14 +74,17 @@ def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), fused=fused or None)
 
 
-def train(cfg: DictConfig, out_dir: Path) -> dict:
+def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dict:
     """Train, checkpoint and evaluate one run into ``out_dir``; return the results record.
+
+    ``tracker`` (a :class:`posbench.tracking.Tracker`) receives train and eval metrics.
 
     Raises:
         ConfigError: a bad value (see ``posbench.config.finalize``) or an evaluation split too short.
         posbench.data.DataError: unusable data.
     """
     finalize(cfg, SCHEMES)
+    tracker = tracker or Tracker(False, out_dir, "")
     t, e = cfg.train, cfg.eval
     device = resolve_device(t.device)
     threads = set_threads(t.threads)
@@ -90,10 +94,8 @@ def train(cfg: DictConfig, out_dir: Path) -> dict:
         import datasets
 
         datasets.disable_progress_bars()
-    d = cfg.data
-    corpus = data.prepare(d.name, d.vocab_size, d.cache_dir, d.num_proc, validation=list(d.validation),
-                          test=list(d.test), train_files=list(d.train_files), validation_files=list(d.validation_files),
-                          test_files=list(d.test_files), path=d.path)
+    config = to_dict(cfg)
+    corpus = data.prepare(**config["data"])
     eval_tokens = corpus.tokens[e.split]
     try:
         span(len(eval_tokens), list(e.lengths), e.max_tokens)
@@ -102,7 +104,6 @@ def train(cfg: DictConfig, out_dir: Path) -> dict:
     if len(corpus.tokens["train"]) <= t.seq_len + 1:
         raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
 
-    config = to_dict(cfg)
     model = checkpoint.build_model(config, corpus.vocab_size).to(device)
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
@@ -129,17 +130,19 @@ def train(cfg: DictConfig, out_dir: Path) -> dict:
         tok_s = seen / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
         bar.update()
+        tracker.log_train(step + 1, loss=loss.item(), lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tok_s)
         if quiet and (step % t.log_every == 0 or step == t.steps - 1):
             log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, loss.item(), lr, grad_norm, tok_s)
     bar.close()
     wall = time.perf_counter() - start
 
     tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
-    checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps)
+    checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info)
     record = report.record(config, rows, split=e.split, train_tokens=seen, train_seconds=wall,
                            device=str(device), threads=threads, final_loss=loss.item())
     report.write_results(out_dir, record)
+    tracker.log_eval(rows)
     print(report.run_table(record), flush=True)
     return record
