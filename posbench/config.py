@@ -10,7 +10,7 @@ Scheme, model and data code never see these objects: the CLI hands them plain va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -122,6 +122,15 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
 
 
+def _check_keys(node: DictConfig, schema, prefix: str = "") -> None:
+    """Reject keys the schema lacks (Hydra's ``+key=value`` lifts struct mode, so composition alone lets them in)."""
+    for key in node:
+        if not hasattr(schema, key):
+            raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: posbench train --cfg job")
+        if is_dataclass(getattr(schema, key)):
+            _check_keys(node[key], getattr(schema, key), f"{prefix}{key}.")
+
+
 def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``.
 
@@ -129,11 +138,12 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     ``scheme.max_positions`` (None → the largest evaluation length).
 
     Raises:
-        ConfigError: a non-positive length or size, an evaluation length < 2, an empty
+        ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
             ``eval.lengths``, heads that do not divide the width, a learned table smaller than the
             largest evaluation length, an unknown scheme (``schemes`` lists the allowed names),
             protocol or split, or a stride outside 1…min(lengths).
     """
+    _check_keys(cfg, PosbenchConfig())
     t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
     if schemes and s.name not in schemes:
         raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(schemes))}")
@@ -188,6 +198,7 @@ def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
     """
     from posbench import checkpoint
 
+    _check_keys(job, EvalJob())
     path = Path(job.run) / checkpoint.NAME
     try:
         state = checkpoint.read(path)

@@ -39,7 +39,8 @@ class Tracker:
 
         self.run = wandb.init(project=project, entity=entity, name=name, group=group, config=config,
                               dir=str(out_dir), job_type=job_type, tags=tags,
-                              mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
+                              mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous",
+                              settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False))
         self.run.define_metric("train/*", step_metric="trainer/step")
         self.run.define_metric("eval/length")
         self.run.define_metric("eval/*", step_metric="eval/length")
