@@ -1,13 +1,20 @@
-"""Checkpoints: build the model a config describes, save it with its config, load it back.
+"""Checkpoints: build the model a config describes, save it with its config, load it back; resume state.
 
-A checkpoint is one ``torch.save`` file holding ``format`` (:data:`FORMAT`), the model weights, the
+``checkpoint.pt`` in a run folder is the trained model: ``format`` (:data:`FORMAT`), weights, the
 resolved config (a plain dict), the vocabulary size and a reference to the tokenizer (the data-cache
 folder and its key). ``posbench eval`` rebuilds the model from it without retraining.
+
+``checkpoints/step-<n>.pt`` are training states (model, optimizer, step, RNG states, resolved config),
+each with a SHA-256 checksum in ``step-<n>.pt.sha256``; the newest K are kept. Every file is written
+atomically (temporary file, fsync, rename), so a failed write leaves the previous one intact.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +24,12 @@ from posbench.positional import build_scheme
 
 FORMAT = 1
 NAME = "checkpoint.pt"
+STATES = "checkpoints"
+log = logging.getLogger("posbench")
+
+
+class CheckpointError(OSError):
+    """The run folder cannot take a checkpoint (not writable, no room, a failed write)."""
 
 
 def build_model(config: dict, vocab_size: int) -> GPT:
@@ -30,14 +43,90 @@ def save(path: Path, model: torch.nn.Module, config: dict, vocab_size: int, toke
     """Write a checkpoint atomically: to a temporary file, fsync, then rename over ``path``.
 
     ``extra`` holds further plain values to keep (e.g. ``train_tokens``)."""
-    tmp = path.with_name(path.name + ".tmp")
     state = {"format": FORMAT, "model": model.state_dict(), "config": config, "vocab_size": vocab_size,
              "tokenizer": tokenizer, "step": step, **extra}
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_save(path, state)
+
+
+def _atomic_save(path: Path, state: dict) -> str:
+    """torch.save to ``path`` via a temporary file, fsync and rename; return the file's SHA-256.
+
+    Raises CheckpointError when the write fails (the previous file at ``path`` is left as it was)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = sha256(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}") from None
+    return digest
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_room(folder: Path, nbytes: int) -> None:
+    """Raise CheckpointError unless ``folder`` is writable and has room for two files of ``nbytes``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise CheckpointError(f"{str(folder)!r} is not writable: checkpoints cannot be saved there")
+    free = shutil.disk_usage(folder).free
+    if free < 2 * nbytes:
+        raise CheckpointError(f"{str(folder)!r} has {free / 2**20:.0f} MiB free; a checkpoint needs about "
+                              f"{nbytes / 2**20:.0f} MiB (twice that while the previous one is kept)")
+
+
+def save_state(run_dir: Path, state: dict, keep: int) -> Path:
+    """Write ``checkpoints/step-<state['step']>.pt`` and its checksum; keep only the newest ``keep``."""
+    folder = Path(run_dir) / STATES
+    path = folder / f"step-{state['step']:08d}.pt"
+    check_room(folder, sum(t.numel() * t.element_size() for t in _tensors(state)))
+    digest = _atomic_save(path, state)
+    tmp = path.with_name(path.name + ".sha256.tmp")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, path.with_name(path.name + ".sha256"))
+    for old in sorted(folder.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def latest_state(run_dir: Path) -> dict | None:
+    """The newest training state in ``run_dir/checkpoints`` whose checksum matches, or None.
+
+    A corrupt or truncated state (checksum mismatch, missing checksum, unreadable) is reported as a
+    warning and the previous one is tried."""
+    for path in sorted((Path(run_dir) / STATES).glob("step-*.pt"), reverse=True):
+        recorded = path.with_name(path.name + ".sha256")
+        if not recorded.exists() or recorded.read_text().strip() != sha256(path):
+            log.warning("checkpoint %s is corrupt or truncated (checksum mismatch): trying the previous one", path)
+            continue
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file falls back the same way
+            log.warning("checkpoint %s is unreadable (%s): trying the previous one", path, type(e).__name__)
+    return None
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def read(path: Path, device="cpu") -> dict:

@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
+from posbench import gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402
 
@@ -127,16 +128,26 @@ def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> None:
-    from posbench.train import train
+    from posbench.checkpoint import CheckpointError
+    from posbench.train import EXIT_PREEMPTED, Preempted, TrainingFailed, train
 
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    tracker = _tracker(cfg, out_dir, "train")
-    try:
-        train(cfg, out_dir, tracker)
-    except (ConfigError, DataError) as e:
-        tracker.finish(exit_code=2)
-        fail(str(e))
-    tracker.finish()
+    with gpus.job_gpu(HydraConfig.get()):  # first: the job's own GPU (joblib sweeps), before anything touches CUDA
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        tracker = _tracker(cfg, out_dir, "train")
+        try:
+            train(cfg, out_dir, tracker)
+        except (ConfigError, DataError, CheckpointError) as e:
+            tracker.finish(exit_code=2)
+            fail(str(e))
+        except TrainingFailed as e:
+            tracker.finish(exit_code=1)
+            print(f"posbench: error: {e}", file=sys.stderr)
+            sys.exit(1)
+        except Preempted as e:
+            tracker.finish(exit_code=EXIT_PREEMPTED)
+            print(f"posbench: {e}", file=sys.stderr)
+            sys.exit(EXIT_PREEMPTED)
+        tracker.finish()
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
@@ -144,12 +155,13 @@ def _eval(job: DictConfig) -> None:
     from posbench.evaluate import reevaluate
     from posbench.train import resolve_device, set_threads
 
-    try:
-        cfg, state = eval_config(job, SCHEMES)
-        device, threads = resolve_device(job.device), set_threads(job.threads)
-        reevaluate(cfg, state, Path(job.run), device, threads)
-    except (ConfigError, DataError) as e:
-        fail(str(e))
+    with gpus.job_gpu(HydraConfig.get()):
+        try:
+            cfg, state = eval_config(job, SCHEMES)
+            device, threads = resolve_device(job.device), set_threads(job.threads)
+            reevaluate(cfg, state, Path(job.run), device, threads)
+        except (ConfigError, DataError) as e:
+            fail(str(e))
 
 
 def _report(argv: list[str]) -> None:

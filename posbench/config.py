@@ -54,6 +54,9 @@ class DataConfig:
     test_files: List[str] = field(default_factory=list)
     path: Optional[str] = None  # hub corpora: a local copy instead of the Hub name
     num_proc: int = 1  # tokenization worker processes
+    tokenizer_train_chars: Optional[int] = None  # train the BPE on the first N characters of train (None = all)
+    max_train_docs: Optional[int] = None  # keep the first N train documents (None = all; PG-19 streams them)
+    max_train_tokens: Optional[int] = None  # stop the train split after N tokens (None = all)
 
 
 @dataclass
@@ -70,6 +73,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: Optional[int] = None  # torch CPU threads; None = the cores this process may use
     log_every: int = 50
+    checkpoint_every: int = 0  # steps between training checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest training checkpoints kept
+    compile: bool = False  # torch.compile the model (no gain seen on CPU; falls back to eager on failure)
 
 
 @dataclass
@@ -99,6 +105,7 @@ class PosbenchConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
+    resume: str = "auto"  # auto: continue from the run folder's newest valid checkpoint; never: start over
 
 
 @dataclass
@@ -167,6 +174,10 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     for n in e.lengths:
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
+    if cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     if e.protocol not in PROTOCOLS:
         raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
     if e.split not in SPLITS:

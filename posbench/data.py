@@ -136,7 +136,7 @@ def _is_title(line: str) -> bool:
 
 
 def wikitext_articles(lines, cache_dir: str, fingerprint: str):
-    """WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
+    r"""WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
     ending in ``\n``, ``""`` for a blank line), so joined they are the split's text stream, as fairseq reads
     ``wiki.*.raw``; that stream is cut before each article title, so ``<|endoftext|>`` separates articles."""
     from datasets import Dataset
@@ -170,6 +170,8 @@ class HubCorpus:
 HUB_CORPORA = {
     "wikitext103": HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1", documents=wikitext_articles),
     "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", documents=wikitext_articles),
+    # The Hub copy of PG-19 was a loading script when this was written, which datasets >= 4 refuses to run:
+    # load_hub_corpus then says so and asks for data.path (the same schema as parquet, e.g. a converted mirror).
     "pg19": HubCorpus("deepmind/pg19", None, stream=True),
 }
 

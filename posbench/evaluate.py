@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posbench.dist import all_reduce_sum
+
 MAX_POSITION_BINS = 64  # per-position loss of longer windows is binned on a log scale
 
 
@@ -72,8 +74,11 @@ def position_bins(length: int) -> np.ndarray:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], protocol: str = "nonoverlapping",
              stride: int | None = None, max_tokens: int = 16384, batch_tokens: int = 16384,
-             device: str | torch.device = "cpu", progress=None) -> list[dict]:
+             device: str | torch.device = "cpu", progress=None, rank: int = 0, world: int = 1) -> list[dict]:
     """Perplexity of ``model`` on ``tokens`` at every evaluation length.
+
+    Under torch.distributed, pass ``rank`` and ``world``: each rank scores windows[rank::world] and the
+    NLL sums and token counts are all-reduced, so every target still counts exactly once.
 
     Args:
         model: maps (B, T) int64 ids to (B, T, V) logits.
@@ -98,10 +103,11 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
         if progress:
             progress(f"evaluating at length {length}")
         wins = windows(n, length, protocol, stride)
+        mine = wins[rank::world]
         pos_sum = torch.zeros(length, dtype=torch.float64)
         pos_count = torch.zeros(length, dtype=torch.float64)
-        for size in sorted({w[1] for w in wins}, reverse=True):
-            group = [w for w in wins if w[1] == size]
+        for size in sorted({w[1] for w in mine}, reverse=True):
+            group = [w for w in mine if w[1] == size]
             per_batch = max(1, batch_tokens // size)
             for b in range(0, len(group), per_batch):
                 chunk = group[b: b + per_batch]
@@ -112,6 +118,8 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                 scored = torch.arange(size, device=device)[None, :] >= torch.tensor([f for _, _, f in chunk], device=device)[:, None]
                 pos_sum[:size] += (nll * scored).sum(0).double().cpu()
                 pos_count[:size] += scored.sum(0).double().cpu()
+        both = all_reduce_sum(torch.stack([pos_sum, pos_count]).to(device)).cpu()  # (2, length)
+        pos_sum, pos_count = both[0], both[1]
         total, count = pos_sum.sum().item(), int(pos_count.sum().item())
         assert count == n, f"scored {count} targets, expected {n}"  # the protocol's invariant
         edges = position_bins(length)

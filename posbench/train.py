@@ -2,16 +2,23 @@
 
 ``train(cfg, out_dir)`` is what ``posbench train`` runs inside its Hydra run folder:
 prepare data → check the evaluation span → build the model → AdamW with linear warmup and cosine
-decay → checkpoint → perplexity at every evaluation length → ``results.json`` / ``results.csv``.
+decay → checkpoints → perplexity at every evaluation length → ``results.json`` / ``results.csv``.
 Batches are random crops of L + 1 tokens from the train memmap; batch i is a pure function of
-(seed, i), so a run is reproducible and a resumed run sees the same batches.
+(seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training
+checkpoint (``resume=auto``, the default) sees the same batches and, on CPU with the same thread
+count, produces bit-identical losses. Under torchrun the loop runs DDP; rank 0 alone writes.
+Per-step metrics go to ``metrics.jsonl`` (and wandb); SIGTERM saves a checkpoint and exits with
+:data:`EXIT_PREEMPTED`; a non-finite loss or gradient stops the run, marked failed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,13 +28,24 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import checkpoint, data, report
+from posbench import checkpoint, data, dist, report
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.evaluate import evaluate, span
 from posbench.positional import SCHEMES
 from posbench.tracking import Tracker
 
 log = logging.getLogger("posbench")
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving a checkpoint; re-run to resume
+RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "eval.",
+             "wandb.", "resume")  # keys a resumed run may change
+
+
+class TrainingFailed(RuntimeError):
+    """A non-finite loss or gradient; the run is marked failed and its last good checkpoint kept."""
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint was saved. The CLI exits with EXIT_PREEMPTED."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,31 +92,59 @@ def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), fused=fused or None)
 
 
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (plain dicts), excluding :data:`RESUMABLE`."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        key, a, b = prefix + k, old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, key + ".")
+        elif a != b and not key.startswith(RESUMABLE):
+            out.append(key)
+    return out
+
+
+def _param_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dict:
-    """Train, checkpoint and evaluate one run into ``out_dir``; return the results record.
+    """Train (or resume), checkpoint and evaluate one run into ``out_dir``; return the results record.
 
     ``tracker`` (a :class:`posbench.tracking.Tracker`) receives train and eval metrics.
 
     Raises:
-        ConfigError: a bad value (see ``posbench.config.finalize``) or an evaluation split too short.
+        ConfigError: a bad value (see ``posbench.config.finalize``), an evaluation split too short, or
+            a resume whose config changed (the message names the keys).
         posbench.data.DataError: unusable data.
+        checkpoint.CheckpointError: the run folder cannot take a checkpoint.
+        TrainingFailed: a non-finite loss or gradient (the step is in the message).
+        Preempted: SIGTERM arrived and a checkpoint was saved.
     """
     finalize(cfg, SCHEMES)
     tracker = tracker or Tracker(False, out_dir, "")
     t, e = cfg.train, cfg.eval
-    device = resolve_device(t.device)
+    dist.init()
+    rank, world, main = dist.rank(), dist.world(), dist.rank() == 0
+    device = torch.device(dist.device_of(str(resolve_device(t.device))))
     threads = set_threads(t.threads)
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
-    quiet = not sys.stderr.isatty() or bool(os.environ.get("CI"))
+    quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not main
     if quiet:
         import datasets
 
         datasets.disable_progress_bars()
     config = to_dict(cfg)
-    corpus = data.prepare(**config["data"])
-    eval_tokens = corpus.tokens[e.split]
+    corpus = data.prepare(**config["data"]) if main else None  # rank 0 builds the cache, the others reuse it
+    dist.barrier()
+    corpus = corpus or data.prepare(**config["data"])
     try:
-        span(len(eval_tokens), list(e.lengths), e.max_tokens)
+        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
     except ValueError as err:
         raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
     if len(corpus.tokens["train"]) <= t.seq_len + 1:
@@ -106,43 +152,127 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     model = checkpoint.build_model(config, corpus.vocab_size).to(device)
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
+    step0, seen, wall0 = 0, 0, 0.0
+    state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
+    if state is not None:
+        changed = changed_keys(state["config"], config)
+        if changed:
+            raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
+                              "use a new run folder, or resume=never to start over here")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        step0, seen, wall0 = state["step"], state["train_tokens"], state["train_seconds"]
+        log.info("resumed from the checkpoint at step %d in %s", step0, out_dir / checkpoint.STATES)
+    if main:
+        checkpoint.check_room(out_dir / checkpoint.STATES, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    fwd = _compiled(net) if t.compile else net
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("%s: %s params, L=%d, %d steps × %d sequences, device %s, %d threads, data %s",
-             cfg.scheme.name, f"{n_params:,}", t.seq_len, t.steps, t.batch_size, device, threads, corpus.root)
+    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s",
+             cfg.scheme.name, f"{n_params:,}", t.seq_len, t.steps, t.batch_size, world, device, threads, corpus.root)
 
-    bar = tqdm(total=t.steps, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
+    def save_state(step: int) -> None:
+        if main:
+            checkpoint.save_state(out_dir, {
+                "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start, "config": config}, t.keep_checkpoints)
+        dist.barrier()
+
+    preempted = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
+    metrics = _metrics_file(out_dir, step0) if main else None
+    bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
-    start, seen = time.perf_counter(), 0
-    for step in range(t.steps):
-        lr = t.lr * lr_factor(step, t.warmup_steps, t.steps, t.min_lr / t.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = (b.to(device, non_blocking=True) for b in get_batch(corpus.tokens["train"], step, cfg.seed, t.batch_size, t.seq_len))
-        with autocast:
-            logits = model(x)  # (B, L, V)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
-        seen += x.numel()
-        tok_s = seen / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
-        bar.update()
-        tracker.log_train(step + 1, loss=loss.item(), lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tok_s)
-        if quiet and (step % t.log_every == 0 or step == t.steps - 1):
-            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, loss.item(), lr, grad_norm, tok_s)
-    bar.close()
-    wall = time.perf_counter() - start
+    start = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    try:
+        for step in range(step0, t.steps):
+            lr = t.lr * lr_factor(step, t.warmup_steps, t.steps, t.min_lr / t.lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = (b.to(device, non_blocking=True) for b in get_batch(corpus.tokens["train"], step, cfg.seed, t.batch_size, t.seq_len, rank))
+            with autocast:
+                logits = fwd(x)  # (B, L, V)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            shown = dist.all_reduce_sum(loss.detach().clone()) / world  # (the mean over ranks)
+            if not (torch.isfinite(shown) and torch.isfinite(grad_norm)):
+                message = f"non-finite {'loss' if not torch.isfinite(shown) else 'gradient'} at step {step + 1}; the last good checkpoint is kept"
+                if main:
+                    report.write_results(out_dir, {"format": report.FORMAT, "status": "failed", "error": message,
+                                                   "step": step + 1, "results": [], "config": config})
+                    tracker.summary(status="failed", failed_step=step + 1)
+                raise TrainingFailed(message)
+            optimizer.step()
+            seen += x.numel() * world
+            tok_s = (seen - (state or {}).get("train_tokens", 0)) / (time.perf_counter() - start)
+            row = {"step": step + 1, "loss": shown.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s}
+            if main:
+                metrics.write(json.dumps(row) + "\n")
+                tracker.log_train(step + 1, **{k: v for k, v in row.items() if k != "step"})
+            bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            bar.update()
+            if quiet and main and (step % t.log_every == 0 or step == t.steps - 1):
+                log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, row["loss"], lr, row["grad_norm"], tok_s)
+            if any(dist.gather(bool(preempted))):
+                save_state(step + 1)
+                raise Preempted(f"SIGTERM at step {step + 1}: checkpoint saved in {out_dir / checkpoint.STATES}; re-run the same command to resume")
+            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                save_state(step + 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+        if metrics:
+            metrics.close()
+    wall = wall0 + time.perf_counter() - start
+    if step0 < t.steps:
+        save_state(t.steps)
+    digests = dist.gather(_param_digest(model))
+    if len(set(digests)) > 1:
+        raise TrainingFailed(f"parameters differ across ranks after training: {digests}")
 
-    tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
-    checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
-                    e.batch_tokens, device, progress=log.info)
-    record = report.record(config, rows, split=e.split, train_tokens=seen, train_seconds=wall,
-                           device=str(device), threads=threads, final_loss=loss.item())
-    report.write_results(out_dir, record)
-    tracker.log_eval(rows)
-    print(report.run_table(record), flush=True)
+                    e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
+    record = report.record(config, rows, split=e.split, train_tokens=seen, train_seconds=wall, device=str(device),
+                           threads=threads, world_size=world, status="complete", final_loss=loss.item(),
+                           param_sha256=digests, resumed_from=step0 or None)
+    if main:
+        tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
+        checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
+        report.write_results(out_dir, record)
+        tracker.log_eval(rows)
+        print(report.run_table(record), flush=True)
     return record
+
+
+def _metrics_file(out_dir: Path, step0: int):
+    """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped."""
+    path = out_dir / "metrics.jsonl"
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step0]
+        path.write_text("".join(line + "\n" for line in keep))
+    return open(path, "a", buffering=1)
+
+
+def _compiled(net: torch.nn.Module):
+    """``torch.compile(net)``, falling back to eager (with a warning) when compilation fails at the first call."""
+    compiled = torch.compile(net)
+
+    def forward(x):
+        nonlocal compiled
+        if compiled is not net:
+            try:
+                return compiled(x)
+            except Exception as err:  # noqa: BLE001 - any compiler failure falls back the same way
+                log.warning("torch.compile failed (%s: %s); training in eager mode", type(err).__name__, err)
+                compiled = net
+        return net(x)
+
+    return forward

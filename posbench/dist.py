@@ -1,0 +1,72 @@
+"""torch.distributed for one run on many processes: set-up from torchrun's environment, and small helpers.
+
+``torchrun --nproc_per_node=N -m posbench train ...`` starts N processes with RANK / WORLD_SIZE /
+LOCAL_RANK set; :func:`init` joins them (NCCL on CUDA, gloo on CPU). Without torchrun every helper
+acts as for a single process (rank 0 of 1), so callers need no branches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def world() -> int:
+    """Processes in the run (WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's rank (RANK; 0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def init() -> None:
+    """Join the process group when launched by torchrun (idempotent): NCCL when CUDA is available, else gloo.
+
+    With CUDA, each process takes GPU LOCAL_RANK."""
+    if world() == 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+
+
+def device_of(name: str) -> str:
+    """The device string this rank uses for ``name`` (``cuda`` → ``cuda:<LOCAL_RANK>`` under torchrun)."""
+    if name == "cuda" and world() > 1:
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return name
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over all ranks in place (a no-op for one process); returns ``t``."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast(value):
+    """Rank 0's ``value`` on every rank (any picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
