@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is opt-in: set HF_HUB_OFFLINE=0 to download corpora
@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
-from posbench import gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
+from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402
 
@@ -197,5 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     task, config_name = COMMANDS[command]
     register()
     preflight(rest, config_name)
+    if dist.world() > 1:  # torchrun: one run folder for all ranks; only rank 0 writes Hydra's files and logs
+        dist.init()
+        os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))
+        if dist.rank() > 0:
+            rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     sys.argv = [f"posbench-{command}", *rest]
     task()

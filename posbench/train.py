@@ -60,8 +60,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's CPU thread count (default: the cores this process may run on); return it."""
-    n = threads or len(os.sched_getaffinity(0))
+    """Set torch's CPU thread count (default: the cores this process may run on, shared among the
+    processes torchrun started on this machine); return it."""
+    n = threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(n)
     return n
 
