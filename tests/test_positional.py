@@ -1,0 +1,227 @@
+"""The positional schemes against their papers' formulas, computed naively here (python math, loops).
+
+* sinusoidal — Vaswani et al. 2017, §3.5
+* RoPE — Su et al. 2021 (RoFormer): scores depend on positions only through m − n; rotations keep norms
+* ALiBi — Press et al. 2022: slopes from the paper's ``get_slopes``; bias −m_h · (i − j) for j ≤ i
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from posbench.positional import (SCHEMES, ALiBi, Learned, PositionalScheme, RoPE, Sinusoidal, alibi_slopes,
+                                 build_scheme)
+
+# ---- sinusoidal -----------------------------------------------------------------------------------
+
+
+def naive_sinusoidal(positions, d, base=10000.0):
+    """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)); a list of rows."""
+    rows = []
+    for p in positions:
+        row = [0.0] * d
+        for i in range(d // 2):
+            angle = p / base ** (2 * i / d)
+            row[2 * i], row[2 * i + 1] = math.sin(angle), math.cos(angle)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("d", [2, 16, 32])
+def test_sinusoidal_matches_vaswani_formula(d):
+    positions = [*range(40), 127, 128, 1000, 4095, 16383]
+    scheme = Sinusoidal(d, 2 if d > 2 else 1)
+    pos = torch.tensor(positions)
+    x = torch.zeros(3, len(positions), d)
+    out = scheme.embed(x, pos)  # (B, T, D): zero embeddings + PE
+    expected = naive_sinusoidal(positions, d).float()
+    assert out.shape == (3, len(positions), d)
+    for b in range(3):
+        assert_close(out[b], expected, atol=2e-6, rtol=0)
+    # the embedding is added to, not substituted for, the token embeddings
+    x = torch.randn(2, len(positions), d)
+    assert_close(scheme.embed(x, pos), x + expected, atol=2e-6, rtol=0)
+
+
+def test_sinusoidal_base_is_the_wavelength_base():
+    positions = list(range(0, 300, 7))
+    scheme = build_scheme("sinusoidal", 8, 2, base=500.0)
+    out = scheme.embed(torch.zeros(1, len(positions), 8), torch.tensor(positions))[0]
+    assert_close(out, naive_sinusoidal(positions, 8, base=500.0).float(), atol=2e-6, rtol=0)
+
+
+def test_sinusoidal_needs_even_width():
+    with pytest.raises(ValueError):
+        Sinusoidal(15, 3)
+
+
+# ---- RoPE -----------------------------------------------------------------------------------------
+
+
+def naive_rope(x, p, base=10000.0):
+    """Rotate each pair (i, i + Dh/2) of vector x (python list, length Dh) by angle p · base^(−2i/Dh)."""
+    dh = len(x)
+    half = dh // 2
+    out = list(x)
+    for i in range(half):
+        a = p * base ** (-2 * i / dh)
+        out[i] = x[i] * math.cos(a) - x[i + half] * math.sin(a)
+        out[i + half] = x[i] * math.sin(a) + x[i + half] * math.cos(a)
+    return out
+
+
+def rope_score(scheme, q, k, m, n):
+    """q·k after rotating q (B, H, 1, Dh) to position m and k to position n → (B, H)."""
+    qm, _ = scheme.rotate(q, q, torch.tensor([m]))
+    _, kn = scheme.rotate(k, k, torch.tensor([n]))
+    return (qm * kn).sum(-1)[..., 0]
+
+
+@pytest.mark.parametrize("m, n, s", [(0, 0, 5), (5, 2, 0), (5, 2, 11), (17, 3, 1000), (3, 17, 250),
+                                     (100, 0, 4000), (1, 1, 12345), (4095, 4000, 96)])
+def test_rope_score_depends_only_on_relative_position(m, n, s):
+    torch.manual_seed(m * 7919 + n * 31 + s)
+    scheme = RoPE(d_model=64, n_head=4)  # Dh = 16
+    q, k = torch.randn(2, 4, 1, 16, dtype=torch.float64), torch.randn(2, 4, 1, 16, dtype=torch.float64)
+    assert_close(rope_score(scheme, q, k, m + s, n + s), rope_score(scheme, q, k, m, n))
+    # ... and the positions do matter (a scheme that rotated nothing would pass the line above)
+    if m != n or s:
+        assert not torch.allclose(rope_score(scheme, q, k, m, n), rope_score(scheme, q, k, m, n + 1))
+
+
+def test_rope_matches_roformer_rotation():
+    torch.manual_seed(0)
+    scheme = RoPE(d_model=32, n_head=2)  # Dh = 16
+    T = 9
+    pos = torch.tensor([0, 1, 2, 3, 10, 100, 511, 512, 5000])
+    q, k = torch.randn(1, 2, T, 16, dtype=torch.float64), torch.randn(1, 2, T, 16, dtype=torch.float64)
+    qr, kr = scheme.rotate(q, k, pos)
+    for h in range(2):
+        for t in range(T):
+            p = int(pos[t])
+            assert_close(qr[0, h, t], torch.tensor(naive_rope(q[0, h, t].tolist(), p), dtype=torch.float64))
+            assert_close(kr[0, h, t], torch.tensor(naive_rope(k[0, h, t].tolist(), p), dtype=torch.float64))
+
+
+def test_rope_base_is_used():
+    torch.manual_seed(1)
+    scheme = build_scheme("rope", 16, 2, base=100.0)
+    x = torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    qr, _ = scheme.rotate(x, x, torch.tensor([7]))
+    assert_close(qr[0, 0, 0], torch.tensor(naive_rope(x[0, 0, 0].tolist(), 7, base=100.0), dtype=torch.float64))
+
+
+def test_rope_preserves_norms_and_is_identity_at_zero():
+    torch.manual_seed(2)
+    scheme = RoPE(d_model=64, n_head=4)
+    pos = torch.tensor([0, 1, 2, 50, 999, 8191])
+    q, k = torch.randn(3, 4, 6, 16), torch.randn(3, 4, 6, 16)
+    qr, kr = scheme.rotate(q, k, pos)
+    assert qr.shape == q.shape and kr.shape == k.shape
+    assert_close(qr.norm(dim=-1), q.norm(dim=-1))
+    assert_close(kr.norm(dim=-1), k.norm(dim=-1))
+    assert_close(qr[:, :, 0], q[:, :, 0])  # position 0: no rotation
+    assert not torch.allclose(qr[:, :, 1:], q[:, :, 1:])
+
+
+# ---- ALiBi ----------------------------------------------------------------------------------------
+
+
+def get_slopes(n):
+    """The ALiBi paper's get_slopes, written from its description (Press et al. 2022)."""
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    p = 2 ** math.floor(math.log2(n))
+    return power_of_2(p) + get_slopes(2 * p)[0::2][: n - p]
+
+
+def test_alibi_slopes_eight_heads():
+    assert_close(torch.tensor(alibi_slopes(8), dtype=torch.float64),
+                 torch.tensor([2.0**-h for h in range(1, 9)], dtype=torch.float64))
+
+
+def test_alibi_slopes_six_heads_by_hand():
+    # p = 4: 2^-2, 2^-4, 2^-6, 2^-8; then every other slope of the 8-head sequence: 2^-1, 2^-3
+    assert_close(torch.tensor(alibi_slopes(6), dtype=torch.float64),
+                 torch.tensor([2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 12, 16, 20, 24, 32, 48])
+def test_alibi_slopes_match_paper_get_slopes(n):
+    slopes = alibi_slopes(n)
+    assert len(slopes) == n
+    assert_close(torch.tensor(slopes, dtype=torch.float64), torch.tensor(get_slopes(n), dtype=torch.float64))
+
+
+def test_alibi_scheme_uses_paper_slopes():
+    for n in (6, 8, 12):
+        assert_close(ALiBi(d_model=8 * n, n_head=n).slopes.double(), torch.tensor(get_slopes(n), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n_head", [4, 6, 8])
+def test_alibi_bias_is_minus_slope_times_distance(n_head):
+    scheme = ALiBi(d_model=4 * n_head, n_head=n_head)
+    slopes = get_slopes(n_head)
+    T = 20
+    bias = scheme.bias(torch.arange(T), torch.arange(T))
+    assert bias.shape == (n_head, T, T)
+    for h in range(n_head):
+        for i in range(T):
+            for j in range(i + 1):
+                assert bias[h, i, j].item() == pytest.approx(-slopes[h] * (i - j), rel=1e-6, abs=1e-7)
+
+
+def test_alibi_bias_of_a_query_block_uses_absolute_positions():
+    """A block of queries (positions 7…11) against keys 0…11 gives the same rows as the full matrix."""
+    scheme = ALiBi(d_model=24, n_head=6)
+    full = scheme.bias(torch.arange(12), torch.arange(12))  # (H, 12, 12)
+    block = scheme.bias(torch.arange(7, 12), torch.arange(12))  # (H, 5, 12)
+    assert block.shape == (6, 5, 12)
+    assert_close(block, full[:, 7:12])
+    shifted = scheme.bias(torch.arange(100, 112), torch.arange(100, 112))  # only i − j matters
+    assert_close(shifted, full)
+
+
+# ---- registry -------------------------------------------------------------------------------------
+
+
+def test_registry_has_the_four_schemes_and_nope():
+    assert {"sinusoidal", "learned", "rope", "alibi"} <= set(SCHEMES)
+    for name, cls in SCHEMES.items():
+        assert issubclass(cls, PositionalScheme), name
+        scheme = build_scheme(name, 16, 2, max_positions=64)
+        assert isinstance(scheme, cls)
+        # exactly one hook is non-trivial per scheme (DESIGN.md §3): at most one, for every scheme
+        x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
+        pos = torch.arange(1, 5)
+        embeds = not torch.equal(scheme.embed(x, pos), x)
+        rotates = not torch.equal(scheme.rotate(q, q, pos)[0], q)
+        biases = scheme.bias(pos, pos) is not None
+        assert embeds + rotates + biases <= 1, name
+
+
+def test_build_scheme_unknown_name_lists_choices():
+    with pytest.raises(ValueError) as info:
+        build_scheme("xpos-typo", 16, 2)
+    for name in SCHEMES:
+        assert name in str(info.value)
+
+
+def test_learned_table_needs_rows():
+    with pytest.raises(ValueError):
+        Learned(16, 2, max_positions=None)
+    table = Learned(16, 2, max_positions=10)
+    rows = table.embed(torch.zeros(1, 10, 16), torch.arange(10))[0]  # (10, 16)
+    assert rows.shape == (10, 16) and rows.abs().sum() > 0
+    again = table.embed(torch.zeros(1, 3, 16), torch.tensor([9, 0, 4]))[0]
+    assert_close(again, rows[[9, 0, 4]])  # a row per absolute position
+    with pytest.raises(IndexError):
+        table.embed(torch.zeros(1, 11, 16), torch.arange(11))  # past the table
