@@ -11,7 +11,6 @@ atomically (temporary file, fsync, rename), so a failed write leaves the previou
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from posbench.corpora import file_sha256
 from posbench.model import GPT
 from posbench.positional import build_scheme
 
@@ -58,21 +58,12 @@ def _atomic_save(path: Path, state: dict) -> str:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        digest = sha256(tmp)
+        digest = file_sha256(tmp)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}") from None
     return digest
-
-
-def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_room(folder: Path, nbytes: int) -> None:
@@ -108,7 +99,7 @@ def latest_state(run_dir: Path) -> dict | None:
     warning and the previous one is tried."""
     for path in sorted((Path(run_dir) / STATES).glob("step-*.pt"), reverse=True):
         recorded = path.with_name(path.name + ".sha256")
-        if not recorded.exists() or recorded.read_text().strip() != sha256(path):
+        if not recorded.exists() or recorded.read_text().strip() != file_sha256(path):
             log.warning("checkpoint %s is corrupt or truncated (checksum mismatch): trying the previous one", path)
             continue
         try:

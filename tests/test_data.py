@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from posbench import data  # noqa: E402
+from posbench import corpora, data  # noqa: E402
 
 VOCAB = 300
 KNOWN = " The lighthouse keeper counted forty two ships before dawn . \n"
@@ -135,7 +135,7 @@ def test_wikitext103_from_save_to_disk(tmp_path):
 def test_wikitext_articles_join_lines_into_the_raw_stream(tmp_path):
     lines = datasets.Dataset.from_dict({"text": ["", " = A = \n", "", " one \n", " = = S = = \n", " two \n", "",
                                                  " = B = \n", " three \n", ""]})
-    arts = data.wikitext_articles(lines, str(tmp_path / "hf"), "wikitext-articles-unit")
+    arts = corpora.wikitext_articles(lines, str(tmp_path / "hf"), "wikitext-articles-unit")
     assert arts["text"] == ["\n = A = \n\n one \n = = S = = \n two \n\n", " = B = \n three \n\n"]
 
 
@@ -236,13 +236,13 @@ def test_cache_key_covers_content_tokenizer_and_budget(tmp_path):
               data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), tokenizer_train_chars=5000).root,
               data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), max_train_docs=3).root]
     assert len({base, changed, *others}) == 5
-    assert data.hub_identity("wikitext2", str(tmp_path / "wt"))["config"] == "wikitext-2-raw-v1"
+    assert corpora.hub_identity("wikitext2", str(tmp_path / "wt"))["config"] == "wikitext-2-raw-v1"
 
     folder = write_parquet(pg19_dict(), tmp_path / "pg")
-    a = data.hub_identity("pg19", str(folder))
+    a = corpora.hub_identity("pg19", str(folder))
     (folder / "test-00000-of-00001.parquet").unlink()
     pg19_dict()["test"].select([0, 0]).to_parquet(str(folder / "test-00000-of-00001.parquet"))
-    assert data.hub_identity("pg19", str(folder))["content"] != a["content"]
+    assert corpora.hub_identity("pg19", str(folder))["content"] != a["content"]
 
 
 @pytest.mark.parametrize("name", ["wikitext103", "wikitext2", "pg19"])

