@@ -122,7 +122,7 @@ def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
     name = ",".join(o for o in hc.overrides.task if o.split("=", 1)[0] in swept) or cfg.scheme.name
     group = sweep_group(Path(hc.sweep.dir)) if hc.mode == RunMode.MULTIRUN else None
     w = cfg.wandb
-    return Tracker(w.enabled, out_dir, w.project, w.entity, name=name, group=group, config=to_dict(cfg),
+    return Tracker(w.enabled and dist.rank() == 0, out_dir, w.project, w.entity, name=name, group=group, config=to_dict(cfg),
                    job_type=job_type, tags=list(w.tags))
 
 
