@@ -25,6 +25,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
@@ -111,8 +112,6 @@ def preflight(argv: list[str], config_name: str) -> None:
 
 def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
     """The wandb tracker of this Hydra job: named by its swept overrides, grouped by its sweep."""
-    from hydra.types import RunMode
-
     from posbench.config import to_dict
     from posbench.report import sweep_group
     from posbench.tracking import Tracker
@@ -142,7 +141,8 @@ def _train(cfg: DictConfig) -> None:
         except TrainingFailed as e:
             tracker.finish(exit_code=1)
             print(f"posbench: error: {e}", file=sys.stderr)
-            sys.exit(1)
+            if HydraConfig.get().mode != RunMode.MULTIRUN:
+                sys.exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
         except Preempted as e:
             tracker.finish(exit_code=EXIT_PREEMPTED)
             print(f"posbench: {e}", file=sys.stderr)

@@ -94,8 +94,8 @@ def run_table(rec: dict) -> str:
 def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
     """Every usable record under ``folders``, and one line per run skipped with the reason.
 
-    Skipped: a run folder with no results yet (still running, or failed before evaluation), a broken
-    results file, a run whose train length L differs from the most common L.
+    Skipped: a run folder with no results yet (still running, or stopped before evaluation), a run
+    marked failed, a broken results file, a run whose train length L differs from the most common L.
     Raises ReportError for a missing folder or when nothing usable is found.
     """
     records, skipped = [], []
@@ -106,11 +106,13 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
         for run in sorted(runs):
             files = sorted([*run.glob("results.json"), *run.glob("eval-*.json")])
             if not files:
-                status = json.loads((run / "status.json").read_text()).get("status") if (run / "status.json").exists() else None
-                skipped.append(f"{run}: {'failed' if status == 'failed' else 'no results yet (still running, or stopped before evaluation)'}")
+                skipped.append(f"{run}: no results yet (still running, or stopped before evaluation)")
             for path in files:
                 try:
                     rec = json.loads(path.read_text())
+                    if rec.get("status") == "failed":
+                        skipped.append(f"{path}: failed ({rec.get('error')})")
+                        continue
                     assert rec["results"] and all("ppl" in r for r in rec["results"]) and rec["format"] == FORMAT
                 except (OSError, ValueError, KeyError, TypeError, AssertionError):
                     skipped.append(f"{path}: broken results file")
