@@ -22,11 +22,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is opt-in: set HF_HUB_OFFLINE=0 to download corpora
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")  # offline runs: `wandb sync <run>/wandb/offline-run-*` uploads later
+if not sys.stderr.isatty() or os.environ.get("CI"):
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # logs and CI get no progress bars
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
 from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
@@ -57,11 +60,13 @@ def _one_line(err: Exception) -> str:
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         return f"unknown {group} {name!r}; choose one of: {', '.join(err.options or [])}"
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
     while err.__cause__ is not None:
         err = err.__cause__
     key = getattr(err, "full_key", None)
     text = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
-    if "not in struct" in text:
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
         return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
     if key and "could not be converted" in text:
         return f"{key}: {text.replace('Value', 'value', 1)}"
@@ -86,11 +91,33 @@ def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[s
     return [list(c) for c in itertools.product(*axes)]
 
 
-CHECKS = {"train": lambda cfg: finalize(cfg, SCHEMES), "eval": lambda cfg: eval_config(cfg, SCHEMES)}
+def _check_train(cfg: DictConfig, multirun: bool) -> None:
+    """Values, data, and (a single run into an existing folder) that its checkpoint is of the same config."""
+    from posbench.train import check_data, resume_state
+
+    hydra_cfg = _pop_hydra(cfg)
+    check_data(finalize(cfg, SCHEMES))
+    if not multirun and cfg.resume == "auto":
+        resume_state(cfg, Path(OmegaConf.to_container(hydra_cfg.run, resolve=True)["dir"]))
+
+
+def _check_eval(job: DictConfig, multirun: bool) -> None:
+    _pop_hydra(job)
+    eval_config(job, SCHEMES)
+
+
+def _pop_hydra(cfg: DictConfig) -> DictConfig:
+    """Remove and return the ``hydra`` node of a config composed with ``return_hydra_config=True``."""
+    with open_dict(cfg):
+        return cfg.pop("hydra")
+
+
+CHECKS = {"train": _check_train, "eval": _check_eval}
 
 
 def preflight(argv: list[str], config_name: str) -> None:
-    """Compose and check every job of ``argv``; exit with one error line on the first bad one."""
+    """Compose and check every job of ``argv`` (values, then data: the corpus is prepared into its cache
+    and the splits' sizes checked); exit with one error line on the first bad one."""
     from hydra import compose, initialize_config_module
 
     flags = [a for a in argv if a.startswith("-")]
@@ -101,8 +128,8 @@ def preflight(argv: list[str], config_name: str) -> None:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             jobs = _jobs(overrides, bool(flags), config_name)
             for job in jobs:
-                CHECKS[config_name](compose(config_name, overrides=job))
-    except ConfigError as e:
+                CHECKS[config_name](compose(config_name, overrides=job, return_hydra_config=True), bool(flags))
+    except (ConfigError, DataError) as e:
         fail(str(e))
     except Exception as e:  # Hydra / OmegaConf composition errors
         fail(_one_line(e))

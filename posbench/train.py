@@ -36,8 +36,8 @@ from posbench.tracking import Tracker
 
 log = logging.getLogger("posbench")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving a checkpoint; re-run to resume
-RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "eval.",
-             "wandb.", "resume")  # keys a resumed run may change
+RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
+             "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
 class TrainingFailed(RuntimeError):
@@ -112,6 +112,39 @@ def _param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
+    """The newest valid training state in ``out_dir`` when ``cfg.resume`` is auto, else None.
+
+    Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
+    naming the changed keys."""
+    state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
+    if state is not None:
+        changed = changed_keys(state["config"], to_dict(cfg))
+        if changed:
+            raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
+                              "use a new run folder, or resume=never to start over here")
+    return state
+
+
+def check_data(cfg: DictConfig) -> data.Corpus:
+    """Prepare the corpus of ``cfg.data`` (cached) and check its splits can serve the run.
+
+    Raises:
+        posbench.data.DataError: unusable data.
+        ConfigError: the evaluation split is shorter than the longest evaluation length (the message
+            gives its token count), or the train split is shorter than L + 1.
+    """
+    t, e = cfg.train, cfg.eval
+    corpus = data.prepare(**to_dict(cfg.data))
+    try:
+        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
+    if len(corpus.tokens["train"]) <= t.seq_len + 1:
+        raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
+    return corpus
+
+
 def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dict:
     """Train (or resume), checkpoint and evaluate one run into ``out_dir``; return the results record.
 
@@ -136,30 +169,19 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
     quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not main
-    if quiet:
-        import datasets
-
-        datasets.disable_progress_bars()
     config = to_dict(cfg)
-    corpus = data.prepare(**config["data"]) if main else None  # rank 0 builds the cache, the others reuse it
+    corpus = check_data(cfg) if main else None  # rank 0 builds the cache, the others reuse it
     dist.barrier()
-    corpus = corpus or data.prepare(**config["data"])
-    try:
-        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
-    except ValueError as err:
-        raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
-    if len(corpus.tokens["train"]) <= t.seq_len + 1:
-        raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
+    corpus = corpus or check_data(cfg)
 
     model = checkpoint.build_model(config, corpus.vocab_size).to(device)
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
     step0, seen, wall0 = 0, 0, 0.0
-    state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
+    state = resume_state(cfg, out_dir)
+    if cfg.resume == "never" and main:  # start over: the old states must not outrank the new ones
+        for old in (out_dir / checkpoint.STATES).glob("step-*"):
+            old.unlink()
     if state is not None:
-        changed = changed_keys(state["config"], config)
-        if changed:
-            raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
-                              "use a new run folder, or resume=never to start over here")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -180,7 +202,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             checkpoint.save_state(out_dir, {
                 "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start, "config": config}, t.keep_checkpoints)
+                "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start, "loss": loss.item(),
+                "config": config}, t.keep_checkpoints)
         dist.barrier()
 
     preempted = []
@@ -190,7 +213,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
     start = time.perf_counter()
-    loss = torch.tensor(float("nan"))
+    loss = torch.tensor((state or {}).get("loss", float("nan")))  # the last step's loss (mean over ranks)
     try:
         for step in range(step0, t.steps):
             lr = t.lr * lr_factor(step, t.warmup_steps, t.steps, t.min_lr / t.lr)
@@ -212,6 +235,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
                     tracker.summary(status="failed", failed_step=step + 1)
                 raise TrainingFailed(message)
             optimizer.step()
+            loss = shown
             seen += x.numel() * world
             tok_s = (seen - (state or {}).get("train_tokens", 0)) / (time.perf_counter() - start)
             row = {"step": step + 1, "loss": shown.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s}
@@ -242,7 +266,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
     record = report.record(config, rows, split=e.split, train_tokens=seen, train_seconds=wall, device=str(device),
-                           threads=threads, world_size=world, status="complete", final_loss=loss.item(),
+                           threads=threads, world_size=world, status="complete",
+                           final_loss=loss.item() if torch.isfinite(loss) else None,
                            param_sha256=digests, resumed_from=step0 or None)
     if main:
         tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
@@ -257,7 +282,14 @@ def _metrics_file(out_dir: Path, step0: int):
     """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped."""
     path = out_dir / "metrics.jsonl"
     if path.exists():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step0]
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] > step0:
+                    break
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a torn last row (power loss, full disk): it and anything after it go
+            keep.append(line)
         path.write_text("".join(line + "\n" for line in keep))
     return open(path, "a", buffering=1)
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 import posbench.model

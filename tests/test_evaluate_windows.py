@@ -1,0 +1,189 @@
+"""Evaluation accounting (DESIGN.md §6): every target 1…n scored exactly once under each protocol, by
+expanding ``posbench.evaluate.windows``; ``span``; and ``evaluate`` against a naive per-target loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from posbench.checkpoint import build_model
+from posbench.evaluate import evaluate, span, windows
+
+# ---- windows --------------------------------------------------------------------------------------
+
+
+def scored_targets(wins, n):
+    """Expand windows (start, size, first) into the targets they score; check each window stays in 0…n."""
+    out = []
+    for start, size, first in wins:
+        assert start >= 0 and size >= 1 and 0 <= first < size, (start, size, first)
+        assert start + size <= n, f"window {(start, size, first)} reads past the stream of {n} + 1 tokens"
+        out += range(start + first + 1, start + size + 1)  # input index i predicts token i + 1
+    return out
+
+
+def assert_each_once(wins, n):
+    counts = Counter(scored_targets(wins, n))
+    missing = [t for t in range(1, n + 1) if counts[t] == 0]
+    twice = {t: c for t, c in counts.items() if c > 1}
+    outside = [t for t in counts if not 1 <= t <= n]
+    assert not missing and not twice and not outside, f"missing {missing[:10]}, repeated {twice}, outside {outside}"
+
+
+CASES = [(n, length) for n in (1, 2, 5, 31, 32, 33, 64, 100, 127, 128, 129) for length in (1, 2, 3, 8, 32, 50, 128)]
+
+
+@pytest.mark.parametrize("n, length", CASES)
+def test_nonoverlapping_scores_every_target_once(n, length):
+    wins = windows(n, length, "nonoverlapping")
+    assert_each_once(wins, n)
+    assert all(size <= length for _, size, _ in wins)
+    assert all(first == 0 for _, _, first in wins)  # nothing is thrown away
+    assert [s for s, _, _ in wins] == list(range(0, n, length))  # consecutive, disjoint windows
+    assert len(wins) == math.ceil(n / length)
+
+
+@pytest.mark.parametrize("n, length", CASES)
+def test_sliding_scores_every_target_once(n, length):
+    strides = sorted({1, min(2, length), max(1, length // 3), max(1, length - 1), length})
+    for stride in strides:
+        wins = windows(n, length, "sliding", stride)
+        assert_each_once(wins, n)
+        size = min(length, n)
+        assert all(s == size for _, s, _ in wins), "sliding windows are all full-size"
+        assert wins[0] == (0, size, 0)  # the first window scores all its targets
+        for _, s, first in wins[1:]:
+            # later windows score at most their last S targets, so each sees >= L − S tokens of context
+            assert first >= s - stride
+
+
+def test_sliding_with_stride_equal_length_is_nonoverlapping_when_it_divides():
+    for n, length in [(128, 32), (96, 8), (50, 5)]:
+        assert windows(n, length, "sliding", length) == windows(n, length, "nonoverlapping")
+
+
+def test_sliding_stride_one_scores_one_new_target_per_window():
+    n, length = 40, 8
+    wins = windows(n, length, "sliding", 1)
+    assert len(wins) == 1 + (n - length)
+    assert all((s, size, first) == (t - length, length, length - 1) for t, (s, size, first) in zip(range(length + 1, n + 1), wins[1:]))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 9, None])
+def test_sliding_rejects_bad_stride(bad):
+    with pytest.raises(ValueError):
+        windows(40, 8, "sliding", bad)
+
+
+def test_unknown_protocol():
+    with pytest.raises(ValueError):
+        windows(40, 8, "diagonal")
+
+
+# ---- span -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("available, lengths, max_tokens", [
+    (1000, [32, 64], 256), (1000, [32, 64], 300), (1000, [32, 64], 10_000), (65, [32, 64], 256),
+    (1000, [48, 32], 500), (200, [128], 16), (129, [128], 16384),
+])
+def test_span(available, lengths, max_tokens):
+    n = span(available, lengths, max_tokens)
+    longest = max(lengths)
+    assert n % longest == 0 and n >= longest  # a whole number of the longest windows
+    assert n <= available - 1  # every target has a token to predict it from
+    assert n <= max(max_tokens, longest)
+
+
+@pytest.mark.parametrize("available", [0, 1, 10, 64])
+def test_span_rejects_short_split_and_says_how_many_tokens(available):
+    with pytest.raises(ValueError) as info:
+        span(available, [32, 64], 256)
+    assert str(available) in str(info.value) and "64" in str(info.value)
+
+
+# ---- evaluate -------------------------------------------------------------------------------------
+
+VOCAB = 47
+
+
+def tiny_model(name):
+    torch.manual_seed(0)
+    config = {"model": {"name": "t", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0},
+              "scheme": {"name": name, "base": 10000.0, "max_positions": 64}}
+    model = build_model(config, VOCAB)
+    for p in model.parameters():  # a sharper random model: per-token losses differ visibly
+        torch.nn.init.normal_(p, std=0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return np.random.default_rng(0).integers(0, VOCAB, 301).astype(np.uint16)
+
+
+def naive_nll(model, tokens, n, length, protocol, stride=None):
+    """Total NLL of targets 1…n, each scored from an explicit context window, one target at a time."""
+    tokens = torch.from_numpy(tokens.astype(np.int64))
+    total = 0.0
+    with torch.no_grad():
+        for t in range(1, n + 1):
+            if protocol == "nonoverlapping":
+                start = (t - 1) // length * length  # the window holding input t − 1
+            else:
+                # sliding: targets 1…L come from the first window; later ones from the first window that
+                # ends at or after them with them in its last S positions (context ≥ L − S)
+                size = min(length, n)
+                if t <= size:
+                    start = 0
+                else:
+                    end = size + math.ceil((t - size) / stride) * stride  # last target of that window
+                    start = min(end, n) - size
+            end = min(start + length, n)
+            logits = model(tokens[start:end][None])[0, t - 1 - start]
+            total += F.cross_entropy(logits[None], tokens[t][None]).item()
+    return total
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "learned"])
+def test_sliding_with_stride_equal_length_equals_nonoverlapping(name, stream):
+    model = tiny_model(name)
+    for length in (8, 16, 32):
+        non = evaluate(model, stream, [length], "nonoverlapping", max_tokens=128)[0]
+        sli = evaluate(model, stream, [length], "sliding", stride=length, max_tokens=128)[0]
+        assert non["tokens"] == sli["tokens"] == 128
+        assert_close(sli["ppl"], non["ppl"], rtol=1e-6, atol=0)
+        assert_close(sli["nll"], non["nll"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi"])
+@pytest.mark.parametrize("protocol, stride", [("nonoverlapping", None), ("sliding", 1), ("sliding", 3), ("sliding", 8)])
+def test_evaluate_matches_naive_per_target_loop(name, protocol, stride, stream):
+    model = tiny_model(name)
+    lengths = [8, 12, 24]  # 12 does not divide the span of 48: ragged windows
+    rows = evaluate(model, stream, lengths, protocol, stride=stride, max_tokens=50, batch_tokens=40)
+    n = span(len(stream), lengths, 50)
+    assert n == 48
+    for row, length in zip(rows, lengths):
+        assert row["length"] == length and row["tokens"] == n  # the same span at every length
+        expected = naive_nll(model, stream, n, length, protocol, stride)
+        assert_close(row["nll"], expected / n, rtol=1e-5, atol=1e-6)
+        assert_close(row["ppl"], math.exp(expected / n), rtol=1e-5, atol=1e-6)
+        pos = row["nll_by_position"]
+        assert len(pos["position"]) == len(pos["nll"]) and pos["position"][0] == 0
+
+
+def test_evaluate_restores_training_mode(stream):
+    model = tiny_model("rope").train()
+    evaluate(model, stream, [8], max_tokens=16)
+    assert model.training
+    model.eval()
+    evaluate(model, stream, [8], max_tokens=16)
+    assert not model.training

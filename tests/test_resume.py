@@ -1,0 +1,470 @@
+"""Resume, preemption and the failure guards of the training loop.
+
+Every CLI run is ``python -m posbench train debug=fast ...`` (L=32, batch 4) in its own run folder,
+with one data cache (the BPE tokenizer is trained once, in-process, by the ``cache`` fixture, in a
+folder test_ddp.py reuses). In-process tests compose the config with Hydra's compose API and call
+``posbench.train.train`` directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posbench import checkpoint, data
+from posbench import train as train_mod
+
+TIMEOUT = 300  # seconds: a CLI run that takes longer is a hang
+EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
+RESUME = ["train.steps=16", "train.checkpoint_every=4", "train.threads=1", "train.log_every=1", "seed=0", *EVAL]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    return env
+
+
+def argv(run: Path, cache: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "posbench", "train", "debug=fast", f"hydra.run.dir={run}",
+            f"data.cache_dir={cache}", *overrides]
+
+
+def start(run: Path, cache: Path, *overrides: str) -> subprocess.Popen:
+    """Start a training run in the background; its output goes to ``<run>.out`` beside the run folder."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    out = open(run.with_name(run.name + ".out"), "a")
+    proc = subprocess.Popen(argv(run, cache, *overrides), cwd=run.parent, env=_env(), stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+    out.close()
+    return proc
+
+
+def output(run: Path) -> str:
+    return run.with_name(run.name + ".out").read_text()
+
+
+def cli(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    run.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(argv(run, cache, *overrides), cwd=run.parent, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def rows(run: Path) -> list[dict]:
+    """metrics.jsonl rows; a last line still being written is skipped."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def steps_of(run: Path) -> list[int]:
+    return [r["step"] for r in rows(run)]
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def valid_states(run: Path) -> list[int]:
+    """Steps of the training checkpoints whose recorded checksum matches the file."""
+    out = []
+    for path in sorted((run / checkpoint.STATES).glob("step-*.pt")):
+        sha = path.with_name(path.name + ".sha256")
+        if sha.exists() and sha.read_text().strip() == sha256(path):
+            out.append(int(path.stem.split("-")[1]))
+    return out
+
+
+def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = TIMEOUT) -> None:
+    """Poll ``ready()`` every 2 ms while ``proc`` runs; fail if it exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def snapshot(folder: Path) -> dict:
+    """{relative path: (mtime_ns, sha256)} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, sha256(p))
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def compose(cache: Path, *overrides: str):
+    from hydra import compose as hydra_compose, initialize_config_module
+
+    from posbench.config import register
+
+    register()
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        return hydra_compose("train", overrides=["debug=fast", f"data.cache_dir={cache}", *overrides])
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The data cache, prepared here (in-process) so the concurrent runs below find it ready."""
+    from posbench.config import to_dict
+
+    root = tmp_path_factory.getbasetemp() / "posbench-data"  # the same folder in test_ddp: built once a session
+    root.mkdir(exist_ok=True)
+    data.prepare(**to_dict(compose(root))["data"])
+    return root
+
+
+class Background:
+    """A CLI run started in the background; ``result()`` waits for it and checks it succeeded."""
+
+    def __init__(self, run: Path, cache: Path, *overrides: str):
+        self.path, self.proc = run, start(run, cache, *overrides)
+
+    def result(self) -> Path:
+        assert self.proc.wait(TIMEOUT) == 0, f"{self.path} failed:\n{output(self.path)}"
+        return self.path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def finished(cache, tmp_path_factory):
+    """The module's reference runs, started together in the background on first use:
+
+    * ``A``: the resume command run straight through (steps=16, checkpoint_every=4, threads=1);
+    * ``run12``: checkpoint_every=4, keep_checkpoints=3, steps=12, so states at 4, 8 and 12.
+    """
+    runs = {"A": Background(tmp_path_factory.mktemp("uninterrupted") / "A", cache, *RESUME),
+            "run12": Background(tmp_path_factory.mktemp("run12") / "run", cache, "train.steps=12",
+                                "train.checkpoint_every=4", "train.keep_checkpoints=3", "train.threads=1", *EVAL)}
+    yield runs
+    for r in runs.values():
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished) -> Background:
+    return finished["A"]
+
+
+@pytest.fixture(scope="module")
+def run12(finished) -> Path:
+    run = finished["run12"].result()
+    assert valid_states(run) == [4, 8, 12]
+    return run
+
+
+@pytest.fixture
+def torch_state():
+    """train() in-process sets threads, deterministic mode and the RNG: put them back afterwards."""
+    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
+    torch.set_rng_state(rng)
+
+
+# ---- 1. kill -9 and resume: bit-identical --------------------------------------------------------
+
+
+def test_killed_run_resumes_bit_identically(cache, uninterrupted, tmp_path):
+    run = tmp_path / "B"
+    proc = start(run, cache, *RESUME)
+    # step 9's row is written after step 8's checkpoint (and its checksum) is complete
+    wait_until(proc, lambda: (steps_of(run) or [0])[-1] >= 9, "step 9")
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(TIMEOUT) == -signal.SIGKILL
+    killed_at, states = steps_of(run)[-1], valid_states(run)
+    assert states and 8 <= states[-1] <= killed_at < 16
+    print(f"\nkilled after step {killed_at}; valid checkpoints {states}; metrics rows {steps_of(run)}")
+
+    proc = cli(run, cache, *RESUME)  # the same command in the same folder: resume=auto
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resumed from the checkpoint at step {states[-1]}" in proc.stdout + proc.stderr
+    assert steps_of(run) == list(range(1, 17))  # rows past the checkpoint were dropped, then re-written once
+
+    a = uninterrupted.result()
+    a_rows, b_rows = rows(a), rows(run)
+    assert [r["step"] for r in a_rows] == list(range(1, 17))
+    for ra, rb in zip(a_rows, b_rows):
+        assert (rb["step"], rb["loss"], rb["grad_norm"], rb["lr"]) == (ra["step"], ra["loss"], ra["grad_norm"], ra["lr"])
+    res_a, res_b = (json.loads((r / "results.json").read_text()) for r in (a, run))
+    assert [(r["length"], r["ppl"], r["nll"], r["tokens"]) for r in res_b["results"]] == \
+           [(r["length"], r["ppl"], r["nll"], r["tokens"]) for r in res_a["results"]]
+    assert res_b["final_loss"] == res_a["final_loss"]
+    assert res_b["param_sha256"] == res_a["param_sha256"]
+    assert (res_a["resumed_from"], res_b["resumed_from"]) == (None, states[-1])
+    assert res_b["train_tokens"] == res_a["train_tokens"] == 16 * 4 * 32
+    print("losses (A == B):", [r["loss"] for r in a_rows])
+    print("ppl (A == B):", {r["length"]: r["ppl"] for r in res_a["results"]})
+
+
+def test_torn_last_metrics_row_does_not_stop_a_resume(tmp_path):
+    """A crash mid-write (power loss, full disk) can leave half a row at the end of metrics.jsonl."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)) + '{"step": 11, "lo')
+    train_mod._metrics_file(tmp_path, 8).close()
+    assert steps_of(tmp_path) == list(range(1, 9))
+    assert path.read_text().endswith("}\n")
+
+
+# ---- 2. SIGTERM: checkpoint, exit 75, re-run finishes ---------------------------------------------
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_finishes(cache, tmp_path):
+    run = tmp_path / "run"
+    args = ("train.steps=40", "train.checkpoint_every=0", "train.threads=1", "train.log_every=1", *EVAL)
+    proc = start(run, cache, *args)
+    wait_until(proc, lambda: len(rows(run)) >= 3, "three steps")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(TIMEOUT) == train_mod.EXIT_PREEMPTED == 75, output(run)
+    stopped = steps_of(run)[-1]
+    assert 3 <= stopped < 40
+    assert valid_states(run) == [stopped]
+    assert f"SIGTERM at step {stopped}" in output(run)
+    assert "Traceback" not in output(run)
+    assert not (run / "results.json").exists() and not (run / checkpoint.NAME).exists()
+
+    proc = cli(run, cache, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads((run / "results.json").read_text())
+    assert res["status"] == "complete" and res["resumed_from"] == stopped
+    assert steps_of(run) == list(range(1, 41))
+    assert (run / checkpoint.NAME).exists()
+
+
+# ---- 3. a corrupt newest checkpoint: fall back to the previous one ---------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-checksum"])
+def test_latest_state_skips_a_corrupt_newest_checkpoint(run12, tmp_path, caplog, damage):
+    shutil.copytree(run12 / checkpoint.STATES, tmp_path / checkpoint.STATES)
+    newest = tmp_path / checkpoint.STATES / "step-00000012.pt"
+    if damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    elif damage == "flip":
+        raw = bytearray(newest.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        newest.write_bytes(bytes(raw))
+    else:
+        newest.with_name(newest.name + ".sha256").unlink()
+    with caplog.at_level(logging.WARNING, logger="posbench"):
+        state = checkpoint.latest_state(tmp_path)
+    assert state is not None and state["step"] == 8
+    warnings = [r for r in caplog.records if r.name == "posbench" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(newest) in warnings[0].getMessage()
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint(run12, cache, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run12, run)
+    newest = run / checkpoint.STATES / "step-00000012.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    proc = cli(run, cache, "train.steps=16", "train.checkpoint_every=4", "train.keep_checkpoints=3",
+               "train.threads=1", *EVAL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "step-00000012.pt is corrupt" in text
+    assert "resumed from the checkpoint at step 8" in text
+    assert json.loads((run / "results.json").read_text())["resumed_from"] == 8
+    assert steps_of(run) == list(range(1, 17))
+    assert valid_states(run) == [8, 12, 16]  # the corrupt one was re-written
+
+
+# ---- 4. a changed config is refused, without touching the run --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def refused(uninterrupted, cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("refused") / "run"
+    shutil.copytree(uninterrupted.result(), run)
+    time.sleep(0.01)  # any rewrite now gets a later mtime
+    before = snapshot(run)
+    proc = cli(run, cache, *RESUME, "train.lr=0.001", "model.d_ff=256")
+    return proc, before, snapshot(run)
+
+
+def test_changed_config_exits_2_with_one_line(refused):
+    proc, _, _ = refused
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "train.lr" in lines[0] and "model.d_ff" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_changed_config_leaves_the_run_folder_untouched(refused):
+    _, before, after = refused
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert changed == [], f"the refused run rewrote: {changed}"
+
+
+def test_changing_only_the_step_count_resumes(uninterrupted, cache, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted.result(), run)
+    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("train.steps=")], "train.steps=18")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from the checkpoint at step 16" in proc.stdout + proc.stderr
+    assert steps_of(run) == list(range(1, 19))
+    assert json.loads((run / "results.json").read_text())["resumed_from"] == 16
+
+
+def _strict_json(path: Path) -> dict:
+    """The JSON at ``path``, refusing NaN / Infinity (not JSON: other tools cannot read them)."""
+    def refuse(constant):
+        raise ValueError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_rerunning_a_finished_run_re_evaluates_without_training(uninterrupted, cache, tmp_path):
+    """eval.* may change on resume: a finished run folder re-evaluated at a new length, no step trained."""
+    a = uninterrupted.result()
+    run = tmp_path / "run"
+    shutil.copytree(a, run)
+    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("eval.lengths")], "eval.lengths=[32,64,128]")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (run / "metrics.jsonl").read_text() == (a / "metrics.jsonl").read_text()
+    before, after = _strict_json(a / "results.json"), _strict_json(run / "results.json")
+    assert after["lengths"] == [32, 64, 128] and after["resumed_from"] == 16
+    assert [(r["length"], r["ppl"]) for r in after["results"][:2]] == [(r["length"], r["ppl"]) for r in before["results"]]
+    assert after["train_tokens"] == before["train_tokens"]
+    assert after["final_loss"] == before["final_loss"]  # the last training loss, not NaN
+
+
+def test_resume_never_starts_over_and_its_states_outrank_the_old_ones(uninterrupted, cache, tmp_path, torch_state):
+    """resume=never in a folder holding states of an earlier, longer run (steps 12 and 16): the new run's
+    own states must be what a later resume=auto finds, not the old run's."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted.result(), run)
+    cfg = compose(cache, "train.steps=8", "train.checkpoint_every=4", "train.threads=1", "resume=never", *EVAL)
+    record = train_mod.train(cfg, run)
+    assert record["resumed_from"] is None
+    assert steps_of(run) == list(range(1, 9))
+    state = checkpoint.latest_state(run)
+    found = state and (state["step"], state["config"]["train"]["steps"])
+    assert found == (8, 8), f"resume=auto would continue from (step, of steps) {found}; states left: {valid_states(run)}"
+
+
+# ---- 5. a non-finite loss or gradient stops the run, marked failed ---------------------------------
+
+
+def _poison_at(monkeypatch, call: int, where: str) -> None:
+    """Make the ``call``-th training forward pass give NaN logits (``loss``) or an infinite gradient."""
+    real = checkpoint.build_model
+
+    def build_model(config, vocab_size):
+        model = real(config, vocab_size)
+        calls = [0]
+
+        def hook(module, inputs, out):
+            if not module.training:
+                return None
+            calls[0] += 1
+            if calls[0] != call:
+                return None
+            if where == "loss":
+                return out * float("nan")
+            out.register_hook(lambda g: torch.full_like(g, float("inf")))
+            return None
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(checkpoint, "build_model", build_model)
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_non_finite_step_fails_and_keeps_the_last_good_checkpoint(cache, tmp_path, monkeypatch, torch_state, where):
+    cfg = compose(cache, "train.steps=8", "train.checkpoint_every=2", "train.threads=1", *EVAL)
+    _poison_at(monkeypatch, 5, where)
+    with pytest.raises(train_mod.TrainingFailed, match=f"non-finite {where} at step 5"):
+        train_mod.train(cfg, tmp_path)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and res["step"] == 5 and "step 5" in res["error"]
+    assert valid_states(tmp_path) == [2, 4]  # keep_checkpoints=2; step 4's checksum still matches
+    assert sorted(p.name for p in (tmp_path / checkpoint.STATES).iterdir()) == [
+        "step-00000002.pt", "step-00000002.pt.sha256", "step-00000004.pt", "step-00000004.pt.sha256"]
+    assert checkpoint.latest_state(tmp_path)["step"] == 4
+    assert not (tmp_path / checkpoint.NAME).exists()
+    assert steps_of(tmp_path) == [1, 2, 3, 4]
+
+
+# ---- 6. write failures and the room guard -------------------------------------------------------
+
+
+def test_check_room_refuses_a_full_disk(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
+    with pytest.raises(checkpoint.CheckpointError, match="MiB free"):
+        checkpoint.check_room(tmp_path, 1 << 20)
+    checkpoint.check_room(tmp_path, 1 << 19)  # room for two files of half a MiB
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores folder permissions")
+def test_check_room_refuses_a_read_only_folder(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match="not writable"):
+            checkpoint.check_room(folder, 1)
+    finally:
+        folder.chmod(0o700)
+
+
+def test_check_room_refuses_a_folder_it_cannot_write(tmp_path, monkeypatch):
+    """The same as above for root: os.access says no."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode == os.W_OK else real(p, mode, **kw))
+    with pytest.raises(checkpoint.CheckpointError, match="not writable"):
+        checkpoint.check_room(tmp_path / "states", 1)
+
+
+def _state(step: int) -> dict:
+    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((64, 64), float(step))}}
+
+
+@pytest.mark.parametrize("step", [8, 4], ids=["new-step", "same-step"])
+def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, step):
+    first = checkpoint.save_state(tmp_path, _state(4), keep=2)
+    before = snapshot(tmp_path)
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
+    with pytest.raises(checkpoint.CheckpointError, match="No space left"):
+        checkpoint.save_state(tmp_path, _state(step), keep=2)
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before  # nothing new, no temporary file left behind
+    assert valid_states(tmp_path) == [4]
+    state = checkpoint.latest_state(tmp_path)
+    assert state["step"] == 4 and torch.equal(state["model"]["w"], _state(4)["model"]["w"])
+    assert first.exists()
