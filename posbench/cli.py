@@ -180,15 +180,21 @@ def _train(cfg: DictConfig) -> None:
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
 def _eval(job: DictConfig) -> None:
     from posbench.evaluate import reevaluate
+    from posbench.tracking import Tracker
     from posbench.train import resolve_device, set_threads
 
     with gpus.job_gpu(HydraConfig.get()):
         try:
             cfg, state = eval_config(job, SCHEMES)
             device, threads = resolve_device(job.device), set_threads(job.threads)
-            reevaluate(cfg, state, Path(job.run), device, threads)
+            rec = reevaluate(cfg, state, Path(job.run), device, threads)
         except (ConfigError, DataError) as e:
             fail(str(e))
+        w = cfg.wandb
+        tracker = Tracker(w.enabled, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
+                          name=f"{rec['scheme']} {rec['protocol']} {rec['split']}", tags=list(w.tags))
+        tracker.log_eval(rec["results"])
+        tracker.finish()
 
 
 def _report(argv: list[str]) -> None:

@@ -110,11 +110,12 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
             for path in files:
                 try:
                     rec = json.loads(path.read_text())
-                    if rec.get("status") == "failed":
-                        skipped.append(f"{path}: failed ({rec.get('error')})")
-                        continue
-                    assert rec["results"] and all("ppl" in r for r in rec["results"]) and rec["format"] == FORMAT
-                except (OSError, ValueError, KeyError, TypeError, AssertionError):
+                except (OSError, ValueError):
+                    rec = None
+                if isinstance(rec, dict) and rec.get("status") == "failed":
+                    skipped.append(f"{path}: failed ({rec.get('error')})")
+                    continue
+                if not _well_formed(rec):
                     skipped.append(f"{path}: broken results file")
                     continue
                 rec["path"] = str(path)
@@ -127,6 +128,17 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
     if not records:
         raise ReportError(f"no results in {', '.join(map(str, folders))}" + (f" ({len(skipped)} runs skipped)" if skipped else ""))
     return records, skipped
+
+
+RECORD_KEYS = ("format", "scheme", "train_length", "protocol", "stride", "split", "seed", "config", "results")
+ROW_KEYS = ("length", "ppl", "nll", "nll_by_position")
+
+
+def _well_formed(rec) -> bool:
+    """A results record of this format with every key the report reads."""
+    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS) and rec["format"] == FORMAT
+            and isinstance(rec["config"], dict) and isinstance(rec["results"], list) and len(rec["results"]) > 0
+            and all(isinstance(r, dict) and all(k in r for k in ROW_KEYS) for r in rec["results"]))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -62,7 +62,7 @@ class Tracker:
         for r in rows:
             pos = r["nll_by_position"]
             table = wandb.Table(columns=["position", "nll"], data=[[p + 1, v] for p, v in zip(pos["position"], pos["nll"])])
-            self._log({f"{prefix}/nll_by_position_{r['length']}": wandb.plot.line(
+            self._log({f"{prefix}/length": r["length"], f"{prefix}/nll_by_position_{r['length']}": wandb.plot.line(
                 table, "position", "nll", title=f"NLL by position, evaluation length {r['length']}")})
 
     def log_report(self, series: dict[str, tuple[list, list]], images: dict[str, Path]) -> None:

@@ -1,0 +1,279 @@
+"""``posbench eval``: re-evaluate a trained run's checkpoint beside its results, never overwriting them;
+bad input fails with one line and exit status 2, writing nothing; and ``evaluate``'s accounting under
+both protocols (DESIGN.md §6) on a small random-init model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posbench.checkpoint import build_model
+from posbench.evaluate import evaluate, span
+
+EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
+
+
+def cli_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR", "WANDB_DIR")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    return env
+
+
+def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def snapshot(folder: Path) -> dict:
+    """{relative path: (mtime_ns, sha256)} of every file under ``folder``, and every folder (value None)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) if p.is_file() else None
+    return out
+
+
+def ppls(path: Path) -> dict:
+    return {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
+
+
+# ---- one trained run per module -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("eval-cli-cache")
+
+
+@pytest.fixture(scope="module")
+def cwd(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("eval-cli-cwd")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, cache, cwd) -> Path:
+    """A finished ``posbench train debug=fast`` run (L=32, eval at [32, 64] on 256 tokens)."""
+    run_dir = tmp_path_factory.mktemp("eval-cli-runs") / "rope"
+    ok(posbench("train", "debug=fast", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", cwd=cwd))
+    assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "results.json").is_file()
+    return run_dir
+
+
+def copy_run(run: Path, dest: Path, checkpoint: bool = True) -> Path:
+    """A copy of the run's results (and checkpoint.pt): a run folder of its own for a test to change."""
+    dest.mkdir(parents=True)
+    shutil.copytree(run / ".hydra", dest / ".hydra")
+    for name in ["results.json", "results.csv", "metrics.jsonl"] + (["checkpoint.pt"] if checkpoint else []):
+        shutil.copy2(run / name, dest / name)
+    return dest
+
+
+# ---- re-evaluation beside the run's results -------------------------------------------------------
+
+
+def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, cwd):
+    folder = copy_run(run, tmp_path / "run")
+    before = snapshot(folder)
+    args = ["eval", f"run={folder}", *EVAL, "eval.protocol=sliding", "eval.stride=8"]
+
+    proc = ok(posbench(*args, cwd=cwd))
+    after = snapshot(folder)
+    for rel, state in before.items():
+        if rel != "eval.log":
+            assert after.get(rel) == state, f"{rel} was changed or removed by posbench eval"
+    new = set(after) - set(before) - {"eval.log"}
+    assert new == {"eval-sliding-validation-1.json", "eval-sliding-validation-1.csv"}
+    assert "eval-sliding-validation-1.json" in proc.stdout
+
+    rec = json.loads((folder / "eval-sliding-validation-1.json").read_text())
+    assert rec["protocol"] == "sliding" and rec["stride"] == 8
+    assert rec["lengths"] == [32, 64] and rec["split"] == "validation"
+    assert [r["length"] for r in rec["results"]] == [32, 64]
+    assert all(r["tokens"] == 256 for r in rec["results"])
+    assert rec["scheme"] == "rope" and rec["train_length"] == 32
+    csv_lines = (folder / "eval-sliding-validation-1.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and "protocol" in csv_lines[0] and all("sliding" in line for line in csv_lines[1:])
+
+    first = snapshot(folder)
+    ok(posbench(*args, cwd=cwd))  # a second evaluation: -2, never over -1
+    after = snapshot(folder)
+    for rel, state in first.items():
+        if rel != "eval.log":
+            assert after.get(rel) == state, f"{rel} was changed or removed by the second posbench eval"
+    assert set(after) - set(first) - {"eval.log"} == {"eval-sliding-validation-2.json", "eval-sliding-validation-2.csv"}
+    second = json.loads((folder / "eval-sliding-validation-2.json").read_text())
+    assert (second["protocol"], second["stride"], second["lengths"], second["split"]) == ("sliding", 8, [32, 64], "validation")
+    assert ppls(folder / "eval-sliding-validation-2.json") == ppls(folder / "eval-sliding-validation-1.json")
+
+
+def test_eval_on_the_test_split(run, tmp_path, cwd):
+    folder = copy_run(run, tmp_path / "run")
+    ok(posbench("eval", f"run={folder}", *EVAL, "eval.split=test", cwd=cwd))
+    rec = json.loads((folder / "eval-nonoverlapping-test-1.json").read_text())
+    assert rec["split"] == "test" and rec["protocol"] == "nonoverlapping" and rec["lengths"] == [32, 64]
+    assert (folder / "eval-nonoverlapping-test-1.csv").is_file()
+    assert not list(folder.glob("eval-*-validation-*"))
+    assert ppls(folder / "eval-nonoverlapping-test-1.json") != ppls(folder / "results.json")  # other tokens
+
+
+def test_nonoverlapping_reeval_reproduces_the_training_run(run, tmp_path, cwd):
+    folder = copy_run(run, tmp_path / "run")
+    ok(posbench("eval", f"run={folder}", *EVAL, "eval.protocol=nonoverlapping", cwd=cwd))
+    trained = json.loads((folder / "results.json").read_text())
+    again = json.loads((folder / "eval-nonoverlapping-validation-1.json").read_text())
+    assert ppls(folder / "eval-nonoverlapping-validation-1.json") == ppls(folder / "results.json")  # exactly
+    assert [(r["tokens"], r["windows"], r["nll"]) for r in again["results"]] == \
+           [(r["tokens"], r["windows"], r["nll"]) for r in trained["results"]]
+    assert again["seed"] == trained["seed"] and again["train_tokens"] == trained["train_tokens"]
+
+
+# ---- bad input: exit 2, one line, nothing written --------------------------------------------------
+
+
+BAD = ["missing folder", "no checkpoint", "newer format", "garbage checkpoint", "stride 0", "stride 65",
+       "learned table too small"]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(run, cache, cwd, tmp_path_factory) -> dict:
+    """Every bad case run once (two at a time: 2 cores): {case: (folder, snapshot before, process)}."""
+    root = tmp_path_factory.mktemp("eval-cli-bad")
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+
+    def newer(folder):
+        torch.save({**state, "format": 99}, folder / "checkpoint.pt")
+
+    def garbage(folder):
+        (folder / "checkpoint.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint" * 100)
+
+    def learned(folder):
+        ok(posbench("train", "debug=fast", "scheme=learned", *EVAL, f"hydra.run.dir={folder}",
+                    f"data.cache_dir={cache}", cwd=cwd))
+        assert json.loads((folder / "results.json").read_text())["config"]["scheme"]["max_positions"] == 64
+
+    cases = {  # case: (prepare the folder, eval overrides)
+        "missing folder": (None, EVAL),
+        "no checkpoint": (lambda f: copy_run(run, f, checkpoint=False), EVAL),
+        "newer format": (lambda f: (copy_run(run, f, checkpoint=False), newer(f)), EVAL),
+        "garbage checkpoint": (lambda f: (copy_run(run, f, checkpoint=False), garbage(f)), EVAL),
+        "stride 0": (lambda f: copy_run(run, f), [*EVAL, "eval.protocol=sliding", "eval.stride=0"]),
+        "stride 65": (lambda f: copy_run(run, f), [*EVAL, "eval.protocol=sliding", "eval.stride=65"]),
+        "learned table too small": (learned, ["eval.lengths=[32,128]", "eval.max_tokens=256"]),
+    }
+    assert set(cases) == set(BAD)
+
+    def one(case):
+        prepare, overrides = cases[case]
+        folder = root / case.replace(" ", "-")
+        if prepare:
+            prepare(folder)
+        before = snapshot(folder) if folder.exists() else None
+        return case, (folder, before, posbench("eval", f"run={folder}", *overrides, cwd=cwd))
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(one, BAD))
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_eval_input_fails_with_one_line_and_writes_nothing(bad_runs, case):
+    folder, before, proc = bad_runs[case]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("posbench: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    if before is None:
+        assert not folder.exists(), f"posbench eval created {folder}"
+    else:
+        assert snapshot(folder) == before, "posbench eval wrote into the run folder"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing folder", ["no checkpoint"]),
+    ("no checkpoint", ["no checkpoint"]),
+    ("newer format", ["99"]),
+    ("garbage checkpoint", ["not a readable"]),
+    ("stride 0", ["eval.stride"]),
+    ("stride 65", ["eval.stride"]),
+    ("learned table too small", ["max_positions", "128"]),
+])
+def test_bad_eval_input_message_says_what_is_wrong(bad_runs, case, words):
+    message = bad_runs[case][2].stderr
+    assert all(w in message for w in words), message
+
+
+# ---- evaluate(): protocols and accounting on a random-init model ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = {"model": {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0},
+              "scheme": {"name": "rope", "base": 10000.0, "max_positions": None}}
+    model = build_model(config, vocab_size=50).eval()
+    tokens = np.random.default_rng(0).integers(0, 50, 301).astype(np.uint16)
+    return model, tokens
+
+
+@pytest.mark.parametrize("lengths", [[8, 16], [5, 8]])
+def test_sliding_with_stride_equal_to_length_is_nonoverlapping(tiny, lengths):
+    model, tokens = tiny
+    for length in lengths:
+        if span(len(tokens), [length], 96) % length:
+            continue  # a ragged last window: nonoverlapping scores it with less context than sliding
+        a = evaluate(model, tokens, [length], "nonoverlapping", max_tokens=96)[0]
+        b = evaluate(model, tokens, [length], "sliding", stride=length, max_tokens=96)[0]
+        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-12)
+        assert (b["tokens"], b["windows"]) == (a["tokens"], a["windows"])
+        assert b["nll_by_position"]["position"] == a["nll_by_position"]["position"]
+        np.testing.assert_allclose(b["nll_by_position"]["nll"], a["nll_by_position"]["nll"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("lengths, max_tokens", [([8, 16], 96), ([5, 8], 100), ([7], 1000), ([16], 16)])
+def test_every_protocol_scores_the_span_with_the_implied_windows(tiny, lengths, max_tokens):
+    model, tokens = tiny
+    n = span(len(tokens), lengths, max_tokens)
+    rows = evaluate(model, tokens, lengths, "nonoverlapping", max_tokens=max_tokens)
+    for r, length in zip(rows, lengths):
+        assert (r["length"], r["tokens"], r["windows"]) == (length, n, math.ceil(n / length))
+    for length in lengths:
+        n = span(len(tokens), [length], max_tokens)
+        for stride in sorted({s for s in (1, 3, 7) if s <= length} | {length}):
+            r = evaluate(model, tokens, [length], "sliding", stride=stride, max_tokens=max_tokens)[0]
+            expected = 1 + math.ceil((n - length) / stride) if n > length else 1
+            assert (r["length"], r["tokens"], r["windows"]) == (length, n, expected), (length, stride)
+            assert math.isfinite(r["ppl"]) and r["ppl"] == pytest.approx(math.exp(r["nll"]))
+
+
+def test_sliding_stride_1_matches_a_naive_per_token_loop(tiny):
+    """Stride 1: token j is predicted from the L_eval tokens before it (fewer at the start of the stream)."""
+    model, tokens = tiny
+    length, n = 8, span(len(tokens), [8], 64)
+    stream = torch.from_numpy(tokens[: n + 1].astype(np.int64))
+    nll = 0.0
+    with torch.no_grad():
+        for j in range(1, length):  # the first targets: all the context there is
+            nll += F.cross_entropy(model(stream[None, :j])[0, -1:], stream[j: j + 1]).item()
+        ctx = torch.stack([stream[j - length: j] for j in range(length, n + 1)])  # (n - L + 1, L)
+        nll += F.cross_entropy(model(ctx)[:, -1], stream[length: n + 1], reduction="sum").item()
+    r = evaluate(model, tokens, [length], "sliding", stride=1, max_tokens=64)[0]
+    assert r["tokens"] == n and r["windows"] == 1 + n - length
+    assert r["nll"] == pytest.approx(nll / n, rel=1e-5)
+    assert r["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
