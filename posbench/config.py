@@ -63,7 +63,7 @@ class DataConfig:
 class TrainConfig:
     seq_len: int = 128  # the train length L, in tokens
     batch_size: int = 16  # sequences per step
-    steps: int = 400
+    steps: int = 700
     lr: float = 2e-3
     min_lr: float = 2e-4  # end of the cosine decay
     warmup_steps: int = 40

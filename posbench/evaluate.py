@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from posbench.dist import all_reduce_sum
 
-MAX_POSITION_BINS = 64  # per-position loss of longer windows is binned on a log scale
+BIN_GROWTH = 1.15  # per-position loss: each bin at most 15% wider than where it starts …
+MIN_BIN_FRACTION = 128  # … and at least length/128 positions wide, so short-context bins average enough tokens
 
 
 def span(available: int, lengths: list[int], max_tokens: int) -> int:
@@ -65,10 +66,17 @@ def windows(n: int, length: int, protocol: str, stride: int | None = None) -> li
 
 
 def position_bins(length: int) -> np.ndarray:
-    """Left edges of the per-position bins for a window of ``length``: every index up to 64, else log-spaced."""
-    if length <= MAX_POSITION_BINS:
-        return np.arange(length)
-    return np.unique(np.geomspace(1, length, MAX_POSITION_BINS).astype(int) - 1)
+    """Left edges of the per-position loss bins of a window of ``length`` positions.
+
+    Bins are ``max(1, length // 128)`` positions wide at the start of the window, then grow by 15% a bin
+    (log-spaced): a 2048-token window has 28 bins, the first 16 positions wide; a 128-token window starts
+    with one bin per position.
+    """
+    edges, e, width = [], 0, max(1, length // MIN_BIN_FRACTION)
+    while e < length:
+        edges.append(e)
+        e = max(e + width, int(e * BIN_GROWTH))
+    return np.array(edges)
 
 
 @torch.no_grad()

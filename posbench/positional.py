@@ -55,7 +55,8 @@ class Sinusoidal(PositionalScheme):
     """Fixed sinusoidal absolute positions, Vaswani et al. 2017 ("Attention Is All You Need"), §3.5.
 
     PE(p, 2i) = sin(p / base^(2i/D)),  PE(p, 2i+1) = cos(p / base^(2i/D)), added to the token
-    embeddings. Defined for every position p ≥ 0. Requires an even D (ValueError otherwise).
+    embeddings after they are multiplied by sqrt(D) (§3.4), so that tokens are not drowned by the
+    unit-amplitude PE. Defined for every position p ≥ 0. Requires an even D (ValueError otherwise).
     """
 
     def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
@@ -71,7 +72,7 @@ class Sinusoidal(PositionalScheme):
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1).float()  # (T, D)
 
     def embed(self, x, pos):
-        return x + self.table(pos).to(x.dtype)  # (B, T, D)
+        return x * math.sqrt(self.d_model) + self.table(pos).to(x.dtype)  # (B, T, D)
 
 
 class Learned(PositionalScheme):

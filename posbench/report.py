@@ -244,9 +244,10 @@ def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -
         curves[(_label(_flat(rec["config"]), swept), longest["length"])].append(longest["nll_by_position"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for (setting, length), runs in curves.items():
-        xs = [p + 1 for p in runs[0]["position"]]
+        edges = runs[0]["position"]
+        xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
         ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})")
-    ax.set(xscale="log", xlabel="token position in the window", ylabel="NLL (nats/token)",
+    ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token)",
            title="Loss by position at the longest evaluation length")
     ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
     ax.legend(fontsize=8)

@@ -187,3 +187,14 @@ def test_evaluate_restores_training_mode(stream):
     model.eval()
     evaluate(model, stream, [8], max_tokens=16)
     assert not model.training
+
+
+@pytest.mark.parametrize("length", [2, 7, 64, 128, 2048, 16384])
+def test_position_bins_partition_the_window(length):
+    from posbench.evaluate import position_bins
+
+    edges = position_bins(length).tolist()
+    assert edges[0] == 0 and all(b > a for a, b in zip(edges, edges[1:])) and edges[-1] < length
+    widths = [b - a for a, b in zip(edges, [*edges[1:], length])]
+    assert min(widths[:-1] or [1]) >= max(1, length // 128)  # no bin averages fewer than length/128 positions
+    assert len(edges) <= 64

@@ -42,9 +42,9 @@ def test_sinusoidal_matches_vaswani_formula(d):
     assert out.shape == (3, len(positions), d)
     for b in range(3):
         assert_close(out[b], expected, atol=2e-6, rtol=0)
-    # the embedding is added to, not substituted for, the token embeddings
+    # the PE is added to the token embeddings scaled by sqrt(d) (Vaswani et al. §3.4), not substituted
     x = torch.randn(2, len(positions), d)
-    assert_close(scheme.embed(x, pos), x + expected, atol=2e-6, rtol=0)
+    assert_close(scheme.embed(x, pos), x * math.sqrt(d) + expected, atol=1e-5, rtol=0)
 
 
 def test_sinusoidal_base_is_the_wavelength_base():
