@@ -246,7 +246,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             bar.update()
             if quiet and main and (step % t.log_every == 0 or step == t.steps - 1):
                 log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, row["loss"], lr, row["grad_norm"], tok_s)
-            if any(dist.gather(bool(preempted))):
+            if dist.all_reduce_sum(torch.tensor([float(bool(preempted))], device=device)).item():  # any rank
                 save_state(step + 1)
                 raise Preempted(f"SIGTERM at step {step + 1}: checkpoint saved in {out_dir / checkpoint.STATES}; re-run the same command to resume")
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
