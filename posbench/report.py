@@ -221,11 +221,13 @@ def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -
     protocol = _first_protocol(rows)
     sub = [r for r in rows if (r["protocol"], str(r["stride"]), r["split"]) == protocol]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for setting in dict.fromkeys(r["setting"] for r in sub):
+    settings_ = sorted({r["setting"] for r in rows})
+    colour = {name: f"C{i % 10}" for i, name in enumerate(settings_)}  # one colour per setting in both plots
+    for setting in [name for name in settings_ if any(r["setting"] == name for r in sub)]:
         pts = sorted((r["length"], r["ppl_mean"], r["ppl_std"]) for r in sub if r["setting"] == setting)
         xs, ys, sd = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=setting)
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2)
+        ax.plot(xs, ys, marker="o", label=setting, color=colour[setting])
+        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, color=colour[setting])
     ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity",
            title=f"Perplexity vs evaluation length ({protocol[0]}, {protocol[2]})")
     ax.set_xscale("log", base=2)
@@ -243,10 +245,10 @@ def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -
         longest = max(rec["results"], key=lambda r: r["length"])
         curves[(_label(_flat(rec["config"]), swept), longest["length"])].append(longest["nll_by_position"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (setting, length), runs in curves.items():
+    for (setting, length), runs in sorted(curves.items()):
         edges = runs[0]["position"]
         xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
-        ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})")
+        ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})", color=colour[setting])
     ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token)",
            title="Loss by position at the longest evaluation length")
     ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
