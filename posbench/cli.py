@@ -191,7 +191,7 @@ def _eval(job: DictConfig) -> None:
         except (ConfigError, DataError) as e:
             fail(str(e))
         w = cfg.wandb
-        tracker = Tracker(w.enabled, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
+        tracker = Tracker(w.enabled and dist.rank() == 0, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
                           name=f"{rec['scheme']} {rec['protocol']} {rec['split']}", tags=list(w.tags))
         tracker.log_eval(rec["results"])
         tracker.finish()

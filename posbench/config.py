@@ -154,7 +154,7 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
     if schemes and s.name not in schemes:
         raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(schemes))}")
-    for key in ("seq_len", "batch_size", "steps"):
+    for key in ("seq_len", "batch_size", "steps", "log_every"):
         _positive(f"train.{key}", t[key])
     for key in ("n_layer", "n_head", "d_model", "d_ff"):
         _positive(f"model.{key}", m[key])

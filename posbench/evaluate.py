@@ -144,7 +144,7 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     written to a new ``eval-<protocol>-<split>-<n>.json`` (earlier results are never overwritten)."""
     from pathlib import Path
 
-    from posbench import checkpoint, data, report
+    from posbench import checkpoint, data, dist, report
     from posbench.config import to_dict
 
     run_dir, e = Path(run_dir), cfg.eval
@@ -152,9 +152,10 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     model = checkpoint.build_model(state["config"], state["vocab_size"]).to(device)
     model.load_state_dict(state["model"])
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
-                    e.batch_tokens, device, progress=progress)
+                    e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
-                        train_seconds=None, device=str(device), threads=threads)
-    path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
-    print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)
+                        train_seconds=None, device=str(device), threads=threads, world_size=dist.world())
+    if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
+        path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
+        print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)
     return rec

@@ -238,14 +238,15 @@ def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -
     plt.close(fig)
 
     swept, _ = settings(records)
-    curves = defaultdict(list)
+    curves = defaultdict(dict)
     for rec in records:
         if (rec["protocol"], str(rec["stride"]), rec["split"]) != protocol:
             continue
         longest = max(rec["results"], key=lambda r: r["length"])
-        curves[(_label(_flat(rec["config"]), swept), longest["length"])].append(longest["nll_by_position"])
+        curves[(_label(_flat(rec["config"]), swept), longest["length"])][rec["seed"]] = longest["nll_by_position"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (setting, length), runs in sorted(curves.items()):
+    for (setting, length), by_seed in sorted(curves.items()):
+        runs = list(by_seed.values())  # one curve per seed, re-evaluations of a seed counted once
         edges = runs[0]["position"]
         xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
         ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})", color=colour[setting])

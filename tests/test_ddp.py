@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.testing import assert_close
 
 from posbench import checkpoint, data
 from posbench.evaluate import evaluate
@@ -125,3 +126,20 @@ def test_each_rank_gets_its_own_batches():
     assert torch.equal(again, x1)  # a pure function of (seed, step, rank): a resumed rank sees the same batch
     other_step, _ = get_batch(tokens, step=4, seed=0, batch_size=4, seq_len=32, rank=1)
     assert not torch.equal(other_step, x1)
+
+
+def test_torchrun_eval_shards_windows_and_writes_once(ddp):
+    run = _run(ddp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "posbench", "eval", f"run={run}", f"eval.lengths=[{','.join(map(str, LENGTHS))}]",
+           f"eval.max_tokens={MAX_TOKENS}", "threads=1"]
+    proc = subprocess.run(cmd, cwd=run.parent, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    written = sorted(p.name for p in run.glob("eval-*.json"))
+    assert written == ["eval-nonoverlapping-validation-1.json"]  # rank 0 alone writes
+    ev = json.loads((run / written[0]).read_text())
+    base = json.loads((run / "results.json").read_text())
+    assert ev["world_size"] == 2
+    assert [r["tokens"] for r in ev["results"]] == [r["tokens"] for r in base["results"]]  # each target once
+    assert_close(torch.tensor([r["ppl"] for r in ev["results"]], dtype=torch.float64),
+                 torch.tensor([r["ppl"] for r in base["results"]], dtype=torch.float64), rtol=1e-6, atol=0)
