@@ -237,3 +237,4 @@ def main(argv: list[str] | None = None) -> None:
             rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     sys.argv = [f"posbench-{command}", *rest]
     task()
+    dist.finish()

@@ -70,3 +70,10 @@ def gather(value) -> list:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def finish() -> None:
+    """Leave the process group together: a barrier, then destroy it (ranks that exit on their own can abort)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
