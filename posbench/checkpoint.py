@@ -146,6 +146,13 @@ def load(path: Path, device="cpu") -> tuple[GPT, dict]:
     Raises FileNotFoundError / ValueError as :func:`read`.
     """
     state = read(path, device)
+    model = model_from(state, device)
+    del state["model"]
+    return model, state
+
+
+def model_from(state: dict, device="cpu") -> GPT:
+    """The trained model a checkpoint dict (from :func:`read`) describes, on ``device``, in eval mode."""
     model = build_model(state["config"], state["vocab_size"]).to(device)
-    model.load_state_dict(state.pop("model"))
-    return model.eval(), state
+    model.load_state_dict(state["model"])
+    return model.eval()

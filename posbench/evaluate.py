@@ -149,8 +149,7 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
 
     run_dir, e = Path(run_dir), cfg.eval
     corpus = data.prepare(**state["config"]["data"])  # the same cache key: reused, or rebuilt if deleted
-    model = checkpoint.build_model(state["config"], state["vocab_size"]).to(device)
-    model.load_state_dict(state["model"])
+    model = checkpoint.model_from(state, device)
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
