@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
+from posbench.config import upgrade
 from posbench.corpora import file_sha256
 from posbench.model import GPT
 from posbench.positional import build_scheme
 
-FORMAT = 1
+FORMAT = 2  # 2: one model recipe for every scheme (model.scale_embeddings); 1 is still read
+READABLE = (1, 2)
 NAME = "checkpoint.pt"
 STATES = "checkpoints"
 log = logging.getLogger("posbench")
@@ -33,10 +35,21 @@ class CheckpointError(OSError):
 
 
 def build_model(config: dict, vocab_size: int) -> GPT:
-    """The GPT of ``config["model"]`` with the scheme of ``config["scheme"]`` (plain dicts, not Hydra nodes)."""
+    """The GPT of ``config["model"]`` with the scheme of ``config["scheme"]`` (plain dicts; keys they lack read
+    as today's defaults, see ``posbench.config.upgrade``).
+
+    The scheme's parameters are drawn from their own random stream, seeded by one number taken from torch's
+    global generator, so that every other parameter is bit-identical whichever scheme (and whatever table
+    size) is built after the same ``torch.manual_seed``: a comparison differs in positions only.
+    """
+    config = upgrade(config, FORMAT)
     m, s = config["model"], config["scheme"]
-    scheme = build_scheme(s["name"], m["d_model"], m["n_head"], base=s["base"], max_positions=s["max_positions"])
-    return GPT(vocab_size, m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"])
+    scheme_seed = int(torch.randint(2**62, ()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(scheme_seed)
+        scheme = build_scheme(s["name"], m["d_model"], m["n_head"], base=s["base"], max_positions=s["max_positions"])
+    return GPT(vocab_size, m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
+               scale_embeddings=m["scale_embeddings"])
 
 
 def save(path: Path, model: torch.nn.Module, config: dict, vocab_size: int, tokenizer: dict, step: int, **extra) -> None:
@@ -103,7 +116,9 @@ def latest_state(run_dir: Path) -> dict | None:
             log.warning("checkpoint %s is corrupt or truncated (checksum mismatch): trying the previous one", path)
             continue
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state["config"] = upgrade(state["config"], state.get("format", 1))
+            return state
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back the same way
             log.warning("checkpoint %s is unreadable (%s): trying the previous one", path, type(e).__name__)
     return None
@@ -133,10 +148,11 @@ def read(path: Path, device="cpu") -> dict:
         state = torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # torch raises many kinds for a damaged or foreign file
         raise ValueError(f"{str(path)!r} is not a readable posbench checkpoint ({type(e).__name__})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in READABLE:
         found = state.get("format") if isinstance(state, dict) else None
-        raise ValueError(f"checkpoint {str(path)!r} has format {found!r}; this posbench reads format {FORMAT} "
-                         "(a checkpoint from a newer or unknown posbench)")
+        raise ValueError(f"checkpoint {str(path)!r} has format {found!r}; this posbench reads formats "
+                         f"{', '.join(map(str, READABLE))} (a checkpoint from a newer or unknown posbench)")
+    state["config"] = upgrade(state["config"], state["format"])
     return state
 
 

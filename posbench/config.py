@@ -10,6 +10,7 @@ Scheme, model and data code never see these objects: the CLI hands them plain va
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -18,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 PROTOCOLS = ("nonoverlapping", "sliding")
+LEARNED_ROWS_PER_L = 16  # default learned table: 16·L rows, enough for the default evaluation lengths L…16L
 SPLITS = ("validation", "test")
 
 
@@ -29,7 +31,7 @@ class ConfigError(ValueError):
 class SchemeConfig:
     name: str = "rope"
     base: float = 10000.0  # RoPE base θ; also the sinusoidal wavelength base (Vaswani et al. use 10000)
-    max_positions: Optional[int] = None  # learned table rows; None = the largest evaluation length
+    max_positions: Optional[int] = None  # learned table rows; None = 16 × train.seq_len (never from eval.*)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ModelConfig:
     d_model: int = 128
     d_ff: int = 512
     dropout: float = 0.0
+    scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
 
 
 @dataclass
@@ -69,8 +72,8 @@ class TrainConfig:
     warmup_steps: int = 40
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    device: str = "auto"  # auto | cpu | cuda
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    device: str = "auto"  # auto | cpu | cuda (refused before any folder is touched when CUDA is absent)
     threads: Optional[int] = None  # torch CPU threads; None = the cores this process may use
     log_every: int = 50
     checkpoint_every: int = 0  # steps between training checkpoints; 0 = only at the end
@@ -84,7 +87,7 @@ class EvalConfig:
     protocol: str = "nonoverlapping"
     stride: Optional[int] = None  # sliding-window stride S
     split: str = "validation"
-    max_tokens: int = 16384  # budget: tokens scored per evaluation length
+    max_tokens: Optional[int] = None  # budget: targets scored per evaluation length; None = the whole split
     batch_tokens: int = 16384  # tokens per forward pass
 
 
@@ -138,17 +141,50 @@ def _check_keys(node: DictConfig, schema, prefix: str = "") -> None:
             _check_keys(node[key], getattr(schema, key), f"{prefix}{key}.")
 
 
+def _optimizer_values(t: DictConfig) -> None:
+    """Values that would silently break training: each refused with the value and what is allowed."""
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} is not allowed: it must be > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is not allowed: it must be between 0 and train.lr={t.lr} "
+                          "(the cosine schedule decays from lr to min_lr)")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not allowed: it must be >= 0")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay} is not allowed: it must be >= 0")
+    if t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} is not allowed: it must be > 0 (the largest gradient norm) "
+                          "or 0 (no clipping)")
+    betas = list(t.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"train.betas={betas} is not allowed: give two AdamW betas, each 0 <= beta < 1")
+
+
+def check_device(key: str, name: str) -> None:
+    """Raise ConfigError for a device other than auto / cpu / cuda[:n], or CUDA on a machine without it."""
+    if name != "auto" and name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"{key}={name!r} is unknown; choose auto, cpu or cuda")
+    if name.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
+
+
 def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``.
 
     Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and, for the learned scheme,
-    ``scheme.max_positions`` (None → the largest evaluation length).
+    ``scheme.max_positions`` (None → 16·L; never derived from ``eval.*``, so the model, its initialisation
+    included, does not depend on how it will be evaluated).
 
     Raises:
         ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
             ``eval.lengths``, heads that do not divide the width, a learned table smaller than the
             largest evaluation length, an unknown scheme (``schemes`` lists the allowed names),
-            protocol or split, or a stride outside 1…min(lengths).
+            protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
+            (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or
+            ``train.device=cuda`` on a machine without CUDA.
     """
     _check_keys(cfg, PosbenchConfig())
     t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
@@ -159,14 +195,15 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
     for key in ("n_layer", "n_head", "d_model", "d_ff"):
         _positive(f"model.{key}", m[key])
     _positive("data.vocab_size", cfg.data.vocab_size)
-    _positive("eval.max_tokens", e.max_tokens)
+    if e.max_tokens is not None:
+        _positive("eval.max_tokens", e.max_tokens)
     _positive("eval.batch_tokens", e.batch_tokens)
     if m.d_model % m.n_head:
         raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
     if (m.d_model // m.n_head) % 2:
         raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
-    if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
-        raise ConfigError("train.lr must be > 0, train.min_lr and train.warmup_steps >= 0")
+    _optimizer_values(t)
+    check_device("train.device", t.device)
     if e.lengths is None:
         e.lengths = [t.seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:
@@ -191,7 +228,7 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
             )
     if s.name == "learned":
         if s.max_positions is None:
-            s.max_positions = max(max(e.lengths), t.seq_len)
+            s.max_positions = LEARNED_ROWS_PER_L * t.seq_len
         longest = max(max(e.lengths), t.seq_len)
         if s.max_positions < longest:
             raise ConfigError(
@@ -215,7 +252,8 @@ def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
         state = checkpoint.read(path)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"run={job.run!r}: {e}") from None
-    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])
+    check_device("device", job.device)
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), upgrade(state["config"], state["format"]))
     cfg.eval = job.eval
     return finalize(cfg, schemes), state
 
@@ -223,3 +261,21 @@ def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
 def to_dict(cfg: DictConfig) -> dict:
     """The resolved config as a plain dict (what results and checkpoints record)."""
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def upgrade(config: dict, fmt: int) -> dict:
+    """A config recorded by an older posbench (a checkpoint's or a results record's, format ``fmt``) as a
+    full config of today's schema: every key it lacks at its default, except where the default would
+    misdescribe the recorded model. Format 1 scaled token embeddings by sqrt(D) for sinusoidal only, so
+    ``model.scale_embeddings`` reads as ``scheme.name == "sinusoidal"`` there. Returns a new plain dict.
+
+    Raises ConfigError when the recorded config does not fit the schema (a key it does not know, a wrong type).
+    """
+    config = copy.deepcopy(config)
+    if fmt < 2 and isinstance(config.get("model"), dict):
+        sinusoidal = config.get("scheme", {}).get("name") == "sinusoidal"
+        config["model"].setdefault("scale_embeddings", sinusoidal)
+    try:
+        return to_dict(OmegaConf.merge(OmegaConf.structured(PosbenchConfig), config))
+    except Exception as e:  # OmegaConf's validation errors
+        raise ConfigError(f"a recorded config does not fit this posbench's schema: {str(e).splitlines()[0]}") from None

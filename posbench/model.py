@@ -1,5 +1,9 @@
 """A decoder-only GPT (pre-LayerNorm, GELU MLP, tied embeddings) that knows no positional scheme by name.
 
+One recipe for every scheme (docs/design.md §2), so that a comparison differs in positions only: token
+embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
+code of the ALiBi paper; Vaswani et al. 2017, §3.4), weights start as in GPT-2, and the head is tied.
+
 The positional scheme is a module handed in at construction; the model calls its three hooks
 (``embed``, ``rotate``, ``bias``; see posbench/positional.py) and nothing else. Attention runs through
 ``torch.nn.functional.scaled_dot_product_attention``: with ``is_causal=True`` when the scheme has no
@@ -77,19 +81,22 @@ class GPT(nn.Module):
         n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
         dropout: dropout probability on residual branches (0 disables it).
         scheme: the positional scheme, shared by all layers.
+        scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
+            GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
     Raises:
         ValueError: ``n_head`` does not divide ``d_model``.
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
-    by 1/sqrt(2·n_layer).
+    by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them.
     """
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
-                 scheme: PositionalScheme, dropout: float = 0.0):
+                 scheme: PositionalScheme, dropout: float = 0.0, scale_embeddings: bool = True):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
         self.scheme = scheme
+        self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, scheme) for _ in range(n_layer))
@@ -97,7 +104,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied input and output embeddings
         for name, p in self.named_parameters():
-            if p.dim() >= 2 and not name.startswith("scheme."):
+            if name.startswith("scheme."):
+                continue
+            if p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
@@ -107,7 +116,7 @@ class GPT(nn.Module):
         """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V)."""
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.scheme.embed(self.tok(idx), pos))  # (B, T, D)
+        x = self.drop(self.scheme.embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
         for block in self.blocks:
             x = block(x, pos)
         return self.head(self.ln_f(x))  # (B, T, V)

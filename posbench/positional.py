@@ -1,6 +1,6 @@
 """Positional schemes behind one interface, and the registry the model builds them from.
 
-Every scheme plugs into exactly one of three hooks of :class:`PositionalScheme` (DESIGN.md §3):
+Every scheme plugs into exactly one of three hooks of :class:`PositionalScheme` (docs/design.md §3):
 
 * ``embed(x, pos)``       additive absolute positions (sinusoidal, learned)
 * ``rotate(q, k, pos)``   rotary positions applied to queries and keys (RoPE)
@@ -55,8 +55,8 @@ class Sinusoidal(PositionalScheme):
     """Fixed sinusoidal absolute positions, Vaswani et al. 2017 ("Attention Is All You Need"), §3.5.
 
     PE(p, 2i) = sin(p / base^(2i/D)),  PE(p, 2i+1) = cos(p / base^(2i/D)), added to the token
-    embeddings after they are multiplied by sqrt(D) (§3.4), so that tokens are not drowned by the
-    unit-amplitude PE. Defined for every position p ≥ 0. Requires an even D (ValueError otherwise).
+    embeddings (which the model has already scaled by sqrt(D) for every scheme, docs/design.md §2).
+    Defined for every position p ≥ 0. Requires an even D (ValueError otherwise).
     """
 
     def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
@@ -72,7 +72,7 @@ class Sinusoidal(PositionalScheme):
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1).float()  # (T, D)
 
     def embed(self, x, pos):
-        return x * math.sqrt(self.d_model) + self.table(pos).to(x.dtype)  # (B, T, D)
+        return x + self.table(pos).to(x.dtype)  # (B, T, D)
 
 
 class Learned(PositionalScheme):

@@ -42,9 +42,9 @@ def test_sinusoidal_matches_vaswani_formula(d):
     assert out.shape == (3, len(positions), d)
     for b in range(3):
         assert_close(out[b], expected, atol=2e-6, rtol=0)
-    # the PE is added to the token embeddings scaled by sqrt(d) (Vaswani et al. §3.4), not substituted
+    # the PE is added to the token embeddings, not substituted (the sqrt(d) scale is the model's, for every scheme)
     x = torch.randn(2, len(positions), d)
-    assert_close(scheme.embed(x, pos), x * math.sqrt(d) + expected, atol=1e-5, rtol=0)
+    assert_close(scheme.embed(x, pos), x + expected, atol=1e-5, rtol=0)
 
 
 def test_sinusoidal_base_is_the_wavelength_base():
@@ -199,7 +199,7 @@ def test_registry_has_the_four_schemes_and_nope():
         assert issubclass(cls, PositionalScheme), name
         scheme = build_scheme(name, 16, 2, max_positions=64)
         assert isinstance(scheme, cls)
-        # exactly one hook is non-trivial per scheme (DESIGN.md §3): at most one, for every scheme
+        # exactly one hook is non-trivial per scheme (docs/design.md §3): at most one, for every scheme
         x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
         pos = torch.arange(1, 5)
         embeds = not torch.equal(scheme.embed(x, pos), x)
