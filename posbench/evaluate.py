@@ -1,4 +1,4 @@
-"""Perplexity at many evaluation lengths, under the protocols of DESIGN.md §6, with per-position loss.
+"""Perplexity at many evaluation lengths, under the protocols of docs/design.md §6, with per-position loss.
 
 Imports no training code. ``evaluate(model, tokens, lengths, ...)`` scores the same span of N target
 tokens at every evaluation length, so perplexities compare across lengths:
@@ -27,11 +27,12 @@ BIN_GROWTH = 1.15  # per-position loss: each bin at most 15% wider than where it
 MIN_BIN_FRACTION = 128  # … and at least length/128 positions wide, so short-context bins average enough tokens
 
 
-def span(available: int, lengths: list[int], max_tokens: int) -> int:
+def span(available: int, lengths: list[int], max_tokens: int | None) -> int:
     """Target tokens N scored at every length: min(budget, available − 1), cut to a multiple of max(lengths).
 
     Args:
         available: tokens in the evaluation split.
+        max_tokens: the budget; None scores the whole split (available − 1 targets, cut as above).
     Raises:
         ValueError: the split is shorter than the longest evaluation length plus one token.
     """
@@ -39,7 +40,7 @@ def span(available: int, lengths: list[int], max_tokens: int) -> int:
     if available - 1 < longest:
         raise ValueError(f"the evaluation split has {available} tokens, fewer than the longest evaluation "
                          f"length {longest} + 1; use shorter eval.lengths or a larger split")
-    n = min(max_tokens, available - 1)
+    n = available - 1 if max_tokens is None else min(max_tokens, available - 1)
     return max(longest, n - n % longest)
 
 
@@ -81,7 +82,7 @@ def position_bins(length: int) -> np.ndarray:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], protocol: str = "nonoverlapping",
-             stride: int | None = None, max_tokens: int = 16384, batch_tokens: int = 16384,
+             stride: int | None = None, max_tokens: int | None = None, batch_tokens: int = 16384,
              device: str | torch.device = "cpu", progress=None, rank: int = 0, world: int = 1) -> list[dict]:
     """Perplexity of ``model`` on ``tokens`` at every evaluation length.
 
@@ -93,12 +94,14 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
         tokens: 1-D token ids of the evaluation split.
         lengths: evaluation lengths L_eval (tokens per window).
         protocol, stride: see the module docstring.
-        max_tokens: budget N of scored targets per length (see :func:`span`).
+        max_tokens: budget N of scored targets per length (see :func:`span`; None: the whole split).
         batch_tokens: inputs per forward pass (windows of one size are batched up to this).
         progress: optional callable(str) told which length is being scored.
     Returns:
         One dict per length: ``length``, ``ppl``, ``nll`` (nats/token), ``tokens`` (scored),
-        ``windows``, and ``nll_by_position`` ({"position": left bin edges, "nll": mean NLL per bin}).
+        ``windows``, ``nll_by_position`` ({"position": left bin edges, "nll": mean NLL per bin}),
+        ``window_nll`` (summed NLL in nats of each window's scored targets, windows in :func:`windows`
+        order: what a paired bootstrap between models resamples) and ``window_tokens`` (targets per window).
     Raises:
         ValueError: the split is too short for the longest length (see :func:`span`).
     """
@@ -111,30 +114,34 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
         if progress:
             progress(f"evaluating at length {length}")
         wins = windows(n, length, protocol, stride)
-        mine = wins[rank::world]
+        mine = list(range(len(wins)))[rank::world]  # indices of this rank's windows
         pos_sum = torch.zeros(length, dtype=torch.float64)
         pos_count = torch.zeros(length, dtype=torch.float64)
-        for size in sorted({w[1] for w in mine}, reverse=True):
-            group = [w for w in mine if w[1] == size]
+        win_sum = torch.zeros(len(wins), dtype=torch.float64)
+        for size in sorted({wins[i][1] for i in mine}, reverse=True):
+            group = [i for i in mine if wins[i][1] == size]
             per_batch = max(1, batch_tokens // size)
             for b in range(0, len(group), per_batch):
                 chunk = group[b: b + per_batch]
-                x = torch.stack([stream[a: a + size] for a, _, _ in chunk]).to(device)  # (B, T)
-                y = torch.stack([stream[a + 1: a + size + 1] for a, _, _ in chunk]).to(device)  # (B, T)
+                x = torch.stack([stream[wins[i][0]: wins[i][0] + size] for i in chunk]).to(device)  # (B, T)
+                y = torch.stack([stream[wins[i][0] + 1: wins[i][0] + size + 1] for i in chunk]).to(device)  # (B, T)
                 logits = model(x).float()  # (B, T, V)
                 nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B, T)
-                scored = torch.arange(size, device=device)[None, :] >= torch.tensor([f for _, _, f in chunk], device=device)[:, None]
-                pos_sum[:size] += (nll * scored).sum(0).double().cpu()
+                scored = torch.arange(size, device=device)[None, :] >= torch.tensor([wins[i][2] for i in chunk], device=device)[:, None]
+                masked = (nll * scored).double().cpu()  # (B, T)
+                pos_sum[:size] += masked.sum(0)
                 pos_count[:size] += scored.sum(0).double().cpu()
-        both = all_reduce_sum(torch.stack([pos_sum, pos_count]).to(device)).cpu()  # (2, length)
-        pos_sum, pos_count = both[0], both[1]
+                win_sum[chunk] = masked.sum(1)
+        both = all_reduce_sum(torch.cat([pos_sum, pos_count, win_sum]).to(device)).cpu()  # (2·length + windows,)
+        pos_sum, pos_count, win_sum = both[:length], both[length: 2 * length], both[2 * length:]
         total, count = pos_sum.sum().item(), int(pos_count.sum().item())
         assert count == n, f"scored {count} targets, expected {n}"  # the protocol's invariant
         edges = position_bins(length)
         bounds = list(edges[1:]) + [length]
         by_pos = [pos_sum[a:e].sum().item() / max(1.0, pos_count[a:e].sum().item()) for a, e in zip(edges, bounds)]
         results.append({"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
-                        "windows": len(wins), "nll_by_position": {"position": edges.tolist(), "nll": by_pos}})
+                        "windows": len(wins), "nll_by_position": {"position": edges.tolist(), "nll": by_pos},
+                        "window_nll": win_sum.tolist(), "window_tokens": [size - first for _, size, first in wins]})
     model.train(was_training)
     return results
 
@@ -153,7 +160,8 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
-                        train_seconds=None, device=str(device), threads=threads, world_size=dist.world())
+                        train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
+                        scored_split=corpus.same_as.get(e.split, e.split))
     if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
         path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
         print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)

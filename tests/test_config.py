@@ -1,5 +1,5 @@
 """Every config shipped in posbench.conf composes into the schema and passes ``finalize``; the value checks
-of ``finalize`` reject what DESIGN.md §7 says they reject. In process, through Hydra's compose API.
+of ``finalize`` reject what docs/design.md §5 says they reject. In process, through Hydra's compose API.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``posbench eval``: re-evaluate a trained run's checkpoint beside its results, never overwriting them;
 bad input fails with one line and exit status 2, writing nothing; and ``evaluate``'s accounting under
-both protocols (DESIGN.md §6) on a small random-init model.
+both protocols (docs/design.md §6) on a small random-init model.
 """
 
 from __future__ import annotations

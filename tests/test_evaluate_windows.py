@@ -1,5 +1,6 @@
-"""Evaluation accounting (DESIGN.md §6): every target 1…n scored exactly once under each protocol, by
-expanding ``posbench.evaluate.windows``; ``span``; and ``evaluate`` against a naive per-target loop.
+"""Evaluation accounting (docs/design.md §6): every target 1…n scored exactly once under each protocol, by
+expanding ``posbench.evaluate.windows``; ``span``; and ``evaluate`` against naive loops: per target, per
+window (the per-position curve and its bins, ``window_nll`` / ``window_tokens``, docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ VOCAB = 47
 
 def tiny_model(name):
     torch.manual_seed(0)
-    config = {"model": {"name": "t", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0},
+    config = {"model": {"name": "t", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0,
+                        "scale_embeddings": True},
               "scheme": {"name": name, "base": 10000.0, "max_positions": 64}}
     model = build_model(config, VOCAB)
     for p in model.parameters():  # a sharper random model: per-token losses differ visibly
@@ -198,3 +200,166 @@ def test_position_bins_partition_the_window(length):
     widths = [b - a for a, b in zip(edges, [*edges[1:], length])]
     assert min(widths[:-1] or [1]) >= max(1, length // 128)  # no bin averages fewer than length/128 positions
     assert len(edges) <= 64
+
+
+# ---- per window and per position, against a naive window-by-window loop ---------------------------
+
+
+def protocol_windows(n: int, length: int, protocol: str, stride: int | None = None) -> list[tuple[int, list[int]]]:
+    """The windows a protocol defines over targets 1…n, written from its definition (not from ``windows``):
+    (first input index, scored targets), the window's inputs being tokens[start : start + its size].
+
+    nonoverlapping: consecutive windows of ``length`` inputs, each scoring every target it predicts; the last
+    one holds what is left. sliding: window k starts at k·S and scores what it adds at its end (window 0
+    scores all its targets); a window that would read past the stream is moved back to end at its end and
+    scores only the targets not yet scored.
+    """
+    if protocol == "nonoverlapping":
+        out, start = [], 0
+        while start < n:
+            inputs = min(length, n - start)
+            out.append((start, list(range(start + 1, start + inputs + 1))))
+            start += inputs
+        return out
+    size = min(length, n)
+    out, done, k = [(0, list(range(1, size + 1)))], size, 1
+    while done < n:
+        start = min(k * stride, n - size)
+        out.append((start, list(range(done + 1, start + size + 1))))
+        done, k = start + size, k + 1
+    return out
+
+
+def naive_window_nll(model, tokens: np.ndarray, n: int, length: int, protocol: str, stride: int | None):
+    """One forward pass per window: per window the summed NLL (nats) of its scored targets and their count,
+    and per position index of the window the summed NLL and count of the targets scored there."""
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    pos_sum, pos_count = [0.0] * length, [0] * length
+    win_nll, win_tokens = [], []
+    with torch.no_grad():
+        for start, targets in protocol_windows(n, length, protocol, stride):
+            size = targets[-1] - start  # the window's inputs: start … start + size − 1
+            logp = torch.log_softmax(model(ids[start: start + size][None])[0].double(), dim=-1)  # (size, V)
+            total = 0.0
+            for t in targets:
+                i = t - 1 - start  # the position in the window whose output predicts token t
+                nll = -logp[i, ids[t]].item()
+                pos_sum[i] += nll
+                pos_count[i] += 1
+                total += nll
+            win_nll.append(total)
+            win_tokens.append(len(targets))
+    return win_nll, win_tokens, pos_sum, pos_count
+
+
+WINDOW_CASES = [("nonoverlapping", None), ("sliding", 5), ("sliding", 3), ("sliding", 1)]
+WINDOW_LENGTHS = [8, 20, 24]  # 20 does not divide the span of 48 (a ragged last window); 5 divides no length
+
+
+@pytest.fixture(scope="module")
+def window_rows(stream):
+    """(model, rows, n) per (scheme, protocol, stride), evaluated once for the tests below."""
+    cache = {}
+
+    def get(name, protocol, stride):
+        if (name, protocol, stride) not in cache:
+            model = tiny_model(name)
+            rows = evaluate(model, stream, WINDOW_LENGTHS, protocol, stride=stride, max_tokens=50, batch_tokens=40)
+            cache[name, protocol, stride] = model, rows, span(len(stream), WINDOW_LENGTHS, 50)
+        return cache[name, protocol, stride]
+
+    return get
+
+
+def test_protocol_windows_cover_the_span_once():
+    """The test's own window lists score every target once (so a disagreement below is the evaluator's)."""
+    for protocol, stride in WINDOW_CASES:
+        for length in WINDOW_LENGTHS:
+            wins = protocol_windows(48, length, protocol, stride)
+            assert sorted(t for _, ts in wins for t in ts) == list(range(1, 49))
+            for start, ts in wins:
+                assert ts == list(range(ts[0], ts[-1] + 1)) and ts[-1] - start <= length and start >= 0
+
+
+@pytest.mark.parametrize("name", ["alibi", "sinusoidal"])
+@pytest.mark.parametrize("protocol, stride", WINDOW_CASES)
+def test_nll_by_position_matches_a_naive_window_loop(name, protocol, stride, window_rows, stream):
+    from posbench.evaluate import position_bins
+
+    model, rows, n = window_rows(name, protocol, stride)
+    for row, length in zip(rows, WINDOW_LENGTHS):
+        _, _, pos_sum, pos_count = naive_window_nll(model, stream, n, length, protocol, stride)
+        edges = row["nll_by_position"]["position"]
+        assert edges == position_bins(length).tolist()
+        bounds = [*edges[1:], length]
+        assert all(sum(pos_count[a:b]) > 0 for a, b in zip(edges, bounds))  # every bin holds scored targets
+        expected = [sum(pos_sum[a:b]) / sum(pos_count[a:b]) for a, b in zip(edges, bounds)]
+        assert_close(row["nll_by_position"]["nll"], expected, rtol=1e-5, atol=1e-6,
+                     msg=lambda m: f"length {length}: {m}")
+        # the bins weigh positions by their targets: the token-weighted mean of the bins is the row's NLL
+        counts = [sum(pos_count[a:b]) for a, b in zip(edges, bounds)]
+        weighted = sum(c * v for c, v in zip(counts, row["nll_by_position"]["nll"])) / sum(counts)
+        assert weighted == pytest.approx(row["nll"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["alibi", "sinusoidal"])
+@pytest.mark.parametrize("protocol, stride", WINDOW_CASES)
+def test_window_nll_matches_a_naive_window_loop(name, protocol, stride, window_rows, stream):
+    model, rows, n = window_rows(name, protocol, stride)
+    for row, length in zip(rows, WINDOW_LENGTHS):
+        win_nll, win_tokens, _, _ = naive_window_nll(model, stream, n, length, protocol, stride)
+        assert row["windows"] == len(win_nll), "one entry per window of the protocol"
+        assert row["window_tokens"] == win_tokens, f"length {length}: targets scored per window"
+        assert len(row["window_nll"]) == len(win_nll)
+        assert sum(row["window_tokens"]) == row["tokens"] == n
+        assert all(isinstance(c, int) for c in row["window_tokens"])
+        assert_close(row["window_nll"], win_nll, rtol=1e-5, atol=1e-5, msg=lambda m: f"length {length}: {m}")
+        assert sum(row["window_nll"]) == pytest.approx(row["nll"] * row["tokens"], rel=1e-9)
+        assert row["window_tokens"] == [size - first for _, size, first in windows(n, length, protocol, stride)]
+
+
+def test_window_nll_is_json_plain(window_rows):
+    """Rows go into results.json as they are: plain floats and ints, no tensors or numpy scalars."""
+    import json
+
+    _, rows, _ = window_rows("alibi", "sliding", 5)
+    for row in rows:
+        assert json.loads(json.dumps(row["window_nll"])) == row["window_nll"]
+        assert all(type(v) is float for v in row["window_nll"])
+
+
+# ---- sharded over ranks ----------------------------------------------------------------------------
+
+
+def _sharded_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokens = np.random.default_rng(0).integers(0, VOCAB, 301).astype(np.uint16)
+        rows = evaluate(tiny_model("alibi"), tokens, [8, 20], "sliding", stride=3, max_tokens=50, batch_tokens=40,
+                        rank=rank, world=world)
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_windows_come_back_in_order(stream, tmp_path):
+    """Two gloo ranks each score every other window; every rank returns the windows in ``windows`` order,
+    with the values a single process gives."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    single = evaluate(tiny_model("alibi"), stream, [8, 20], "sliding", stride=3, max_tokens=50, batch_tokens=40)
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for got, want in zip(rows, single, strict=True):
+            assert got["window_tokens"] == want["window_tokens"] and got["tokens"] == want["tokens"]
+            assert_close(got["window_nll"], want["window_nll"], rtol=1e-5, atol=1e-5)
+            assert_close(got["nll"], want["nll"], rtol=1e-6, atol=0)
