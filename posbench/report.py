@@ -1,14 +1,17 @@
 """Results of runs: one run's record and files; many runs folded into tables and plots.
 
 One run writes ``results.json`` (the record: metadata, resolved config, one row per evaluation length
-with its per-position NLL) and ``results.csv`` (one row per length); each ``posbench eval`` adds an
-``eval-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posbench report FOLDER...`` (and
+with its per-position and per-window NLL) and ``results.csv`` (one row per length); each ``posbench eval``
+adds an ``eval-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posbench report FOLDER...`` (and
 :class:`ReportCallback` at the end of every multirun) folds the records under the folders into:
 
-* ``report.md`` — per protocol, rows = scheme (and any other swept setting), columns = evaluation
-  lengths, cells = perplexity mean ± std over seeds, and ppl(longest)/ppl(L); the settings held fixed;
-* ``report.csv`` — the same numbers, long format;
-* ``ppl_vs_length.png`` and ``loss_vs_position.png``.
+* ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); rows =
+  scheme and every other setting that differs between runs, columns = evaluation lengths, cells =
+  exp(mean NLL over seeds) ± std over seeds of the per-seed perplexity, ★ where a cell is the best or not
+  significantly worse (:mod:`posbench.stats`), and ppl(longest)/ppl(L); the settings held fixed; skipped runs;
+* ``report.csv`` — the same numbers and tests, long format;
+* ``ppl_vs_length.png`` and ``loss_vs_position.png``, of one evaluation setting (validation split and the
+  nonoverlapping protocol when present).
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -25,11 +28,19 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from posbench import stats
+from posbench.config import upgrade
+
 log = logging.getLogger("posbench")
-FORMAT = 1
-CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "ppl", "nll",
-               "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
-IGNORED = ("seed", "eval.", "data.cache_dir", "train.device", "train.threads", "train.log_every", "wandb.")
+FORMAT = 2  # 2: rows carry window_nll / window_tokens, records scored_split; format-1 records are still read
+CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
+               "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
+REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
+                  "ppl", "ppl_std", "nll_mean", "nll_std", "seeds", "best", "test", "p_value", "ci_low", "ci_high",
+                  "significantly_worse"]
+IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
+           "train.checkpoint_every", "train.keep_checkpoints", "resume", "wandb.")  # never change a result
+TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
 
 
 class ReportError(ValueError):
@@ -41,7 +52,9 @@ class ReportError(ValueError):
 
 def record(config: dict, rows: list[dict], split: str, train_tokens: int, train_seconds: float, device: str,
            threads: int, **extra) -> dict:
-    """One run's results record: what ran (scheme, model, data, L, protocol, seed, environment) and ``rows``."""
+    """One run's results record: what ran (scheme, model, data, L, protocol, seed, environment) and ``rows``
+    (as :func:`posbench.evaluate.evaluate` returns them). ``extra`` adds fields, e.g. ``scored_split``: the
+    split whose files were scored when the corpus lacks ``split`` (the report reads a missing one as ``split``)."""
     import torch
 
     e = config["eval"]
@@ -82,21 +95,31 @@ def _base(rec: dict) -> dict:
 def run_table(rec: dict) -> str:
     """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored."""
     base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
-    lines = [f"{rec['scheme']} (L={rec['train_length']}, {rec['protocol']}{stride}, {rec['split']} split)",
+    lines = [f"{rec['scheme']} (L={rec['train_length']}, {rec['protocol']}{stride}, {_split_text(rec)})",
              f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
     lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
     return "\n".join(lines)
 
 
-# ---- many runs -----------------------------------------------------------------------------------
+def _split_text(r: dict) -> str:
+    """``validation split``, or ``test split (scored the validation files: the corpus has no test files)``."""
+    scored = r.get("scored_split") or r["split"]
+    return f"{r['split']} split" + (f" (scored the {scored} files: the corpus has no {r['split']} files)"
+                                    if scored != r["split"] else "")
+
+
+# ---- many runs: which records, and how their settings differ ------------------------------------------
 
 
 def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
-    """Every usable record under ``folders``, and one line per run skipped with the reason.
+    """Every usable record under ``folders`` (sorted by path; its config upgraded to today's schema, and
+    ``setting``/``order`` set: its row label and sort key), and one line per file skipped with the reason.
 
     Skipped: a run folder with no results yet (still running, or stopped before evaluation), a run
-    marked failed, a broken results file, a run whose train length L differs from the most common L.
-    Raises ReportError for a missing folder or when nothing usable is found.
+    marked failed, a broken results file, a config that does not fit the schema, a run whose train
+    length L differs from the most common L, and a duplicate: a record with the row label, seed and
+    evaluation settings of an earlier one (by path). Raises ReportError for a missing folder or when
+    nothing usable is found.
     """
     records, skipped = [], []
     for folder in map(Path, folders):
@@ -118,6 +141,11 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                 if not _well_formed(rec):
                     skipped.append(f"{path}: broken results file")
                     continue
+                try:  # keys an older record lacks read as their defaults
+                    rec["config"] = upgrade(rec["config"], rec["format"])
+                except ValueError as e:
+                    skipped.append(f"{path}: {e}")
+                    continue
                 rec["path"] = str(path)
                 records.append(rec)
     if records:
@@ -127,7 +155,23 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
         records = [r for r in records if r["train_length"] == common]
     if not records:
         raise ReportError(f"no results in {', '.join(map(str, folders))}" + (f" ({len(skipped)} runs skipped)" if skipped else ""))
-    return records, skipped
+    return _dedupe(records, skipped)
+
+
+def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[str]]:
+    """Set each record's row label and sort key; keep the first (by path) of records with the same label, seed
+    and evaluation settings, and add a ``duplicate of <path>`` line to ``skipped`` for each other one."""
+    label_keys, kept, first = settings(records)[0], [], {}
+    for rec in sorted(records, key=lambda r: r["path"]):
+        flat = _flat(rec["config"])
+        keys = label_keys[rec["config"]["scheme"]["name"]]
+        rec["setting"], rec["order"] = _label(flat, keys), tuple(_value_key(json.loads(flat[k])) for k in keys)
+        earlier = first.setdefault((rec["setting"], json.dumps(rec["seed"]), eval_settings(rec)), rec["path"])
+        if earlier != rec["path"]:
+            skipped.append(f"{rec['path']}: duplicate of {earlier}")
+        else:
+            kept.append(rec)
+    return kept, skipped
 
 
 RECORD_KEYS = ("format", "scheme", "train_length", "protocol", "stride", "split", "seed", "config", "results")
@@ -135,10 +179,18 @@ ROW_KEYS = ("length", "ppl", "nll", "nll_by_position")
 
 
 def _well_formed(rec) -> bool:
-    """A results record of this format with every key the report reads."""
-    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS) and rec["format"] == FORMAT
+    """A results record of format 1 or 2 with every key the report reads."""
+    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS) and rec["format"] in (1, 2)
             and isinstance(rec["config"], dict) and isinstance(rec["results"], list) and len(rec["results"]) > 0
             and all(isinstance(r, dict) and all(k in r for k in ROW_KEYS) for r in rec["results"]))
+
+
+def eval_settings(rec: dict) -> tuple:
+    """What a record's numbers depend on besides the model: (protocol, stride (sliding only), split,
+    scored_split (the split when absent), eval.max_tokens (None: the whole split), evaluation lengths)."""
+    return (rec["protocol"], rec["stride"] if rec["protocol"] == "sliding" else None, rec["split"],
+            rec.get("scored_split") or rec["split"], rec["config"]["eval"]["max_tokens"],
+            tuple(sorted(r["length"] for r in rec["results"])))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -148,116 +200,191 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def settings(records: list[dict]) -> tuple[list[str], dict]:
-    """(swept keys, fixed settings) of the records' configs. A key is swept when it differs between two runs
-    of the same scheme, or is the scheme itself; seeds, evaluation and bookkeeping keys never count."""
-    flats = [_flat(r["config"]) for r in records]
+def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, list[str]], dict[str, dict]]:
+    """How the records' configs differ (values as JSON text). Returns
+
+    * label keys per scheme name: ``scheme.name``, the scheme's own keys (``scheme.*``) that differ between
+      its runs, then every other key with more than one value across all records (not seeds, evaluation
+      or bookkeeping keys: :data:`IGNORED`);
+    * the settings held fixed: keys with exactly one value (not the seed, the scheme or the evaluation
+      settings of the table titles; null and [] left out);
+    * the keys that differ but label no row (bookkeeping, ``eval.batch_tokens``), with their values;
+    * per scheme, its ``scheme.*`` values that differ only between schemes.
+    """
+    flats = [_flat(r["config"]) for r in records]  # upgraded configs: every flat has every schema key
     keys = sorted(set().union(*flats))
+    values = {k: sorted({f.get(k, "null") for f in flats}) for k in keys}
     by_scheme = defaultdict(list)
     for f in flats:
-        by_scheme[f["scheme.name"]].append(f)
-    swept = ["scheme.name"] + [k for k in keys if not k.startswith(IGNORED) and k != "scheme.name" and
-                               any(len({f.get(k) for f in group}) > 1 for group in by_scheme.values())]
-    fixed = {k: flats[0][k] for k in keys if not k.startswith(("seed", "scheme.")) and len({f.get(k) for f in flats}) == 1
-             and flats[0][k] not in ("null", "[]")}
-    return swept, fixed
+        by_scheme[json.loads(f["scheme.name"])].append(f)
+    common = [k for k in keys if len(values[k]) > 1 and not k.startswith(("scheme.", *IGNORED))]
+    own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
+           for name, group in by_scheme.items()}
+    labels = {name: ["scheme.name", *own[name], *common] for name in by_scheme}
+    fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k not in ("seed", "scheme.name", *TITLE_KEYS)
+             and v[0] not in ("null", "[]")}
+    varying = {k: v for k, v in values.items() if len(v) > 1 and k.startswith(IGNORED) and k not in ("seed", *TITLE_KEYS)}
+    per_scheme = {name: {k: group[0][k] for k in keys if k.startswith("scheme.") and k != "scheme.name"
+                         and len(values[k]) > 1 and k not in own[name]} for name, group in by_scheme.items()}
+    return labels, fixed, varying, {name: v for name, v in per_scheme.items() if v}
 
 
-def _label(flat: dict, swept: list[str]) -> str:
-    return ", ".join(flat[k].strip('"') if k == "scheme.name" else f"{k}={flat[k]}" for k in swept)
+def _show(text: str) -> str:
+    value = json.loads(text)
+    return value if isinstance(value, str) else text
+
+
+def _label(flat: dict, keys: list[str]) -> str:
+    """``rope``, or ``rope, model.n_layer=2``: the scheme, then ``key=value`` for the other label keys."""
+    return ", ".join([_show(flat[keys[0]]), *(f"{k}={_show(flat[k])}" for k in keys[1:])])
+
+
+def _value_key(value) -> tuple:
+    """Sort key comparing values as values: None, then numbers numerically (2 before 10), strings, the rest."""
+    if value is None:
+        return (0, 0.0, "")
+    if isinstance(value, (bool, int, float)):
+        return (1, float(value), "")
+    return (2, 0.0, value) if isinstance(value, str) else (3, 0.0, json.dumps(value))
+
+
+# ---- many runs: the numbers ----------------------------------------------------------------------
+
+
+def _preference(group: tuple, n_records: int) -> tuple:
+    """Tables (and the plots, of the first) in this order: validation split, nonoverlapping, most records,
+    then the most tokens scored and the most lengths."""
+    protocol, stride, split, scored, max_tokens, lengths = group
+    return (split != "validation", protocol != "nonoverlapping", -n_records, max_tokens is not None, -(max_tokens or 0),
+            -len(lengths), protocol, stride or 0, split, scored, lengths)
 
 
 def fold(records: list[dict]) -> list[dict]:
-    """Long-format rows: one per (protocol, stride, split, setting, length) with ppl mean, std and seed count."""
-    swept, _ = settings(records)
-    cells = defaultdict(list)
+    """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order (table 1 is
+    plotted), settings in row order. Each row: ``table``, ``setting``, the evaluation settings, ``length``,
+    and :func:`posbench.stats.summary` and :func:`posbench.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
+    over seeds) (perplexity), ``ppl_std`` (std over seeds of the per-seed perplexity), ``nll_mean``/``nll_std``
+    (nats/token), ``seeds``, ``best`` and the test against the best row of its table at that length
+    (``test``: welch | bootstrap | n/a | best, ``p_value``, ``ci_low``/``ci_high``, ``significantly_worse``)."""
+    groups = defaultdict(lambda: defaultdict(list))
     for rec in records:
-        key = (rec["protocol"], rec["stride"], rec["split"], _label(_flat(rec["config"]), swept))
-        for r in rec["results"]:
-            cells[key + (r["length"],)].append((rec["seed"], r["ppl"], r["nll"]))
+        groups[eval_settings(rec)][(rec["order"], rec["setting"])].append(rec)
+    ranked = sorted(groups, key=lambda g: _preference(g, sum(map(len, groups[g].values()))))
     rows = []
-    for (protocol, stride, split, setting, length), vals in sorted(cells.items(), key=lambda kv: str(kv[0])):
-        by_seed = {seed: (p, n) for seed, p, n in vals}  # a re-evaluation of the same seed counts once
-        ppl = [p for p, _ in by_seed.values()]
-        rows.append({"protocol": protocol, "stride": stride, "split": split, "setting": setting, "length": length,
-                     "ppl_mean": statistics.fmean(ppl), "ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                     "nll_mean": statistics.fmean(n for _, n in by_seed.values()), "seeds": len(ppl)})
+    for table, group in enumerate(ranked, 1):
+        protocol, stride, split, scored, max_tokens, lengths = group
+        head = {"table": table, "protocol": protocol, "stride": stride, "split": split, "scored_split": scored,
+                "max_tokens": max_tokens, "lengths": list(lengths), "eval_settings": group}
+        cells = {}
+        for (_, setting), recs in sorted(groups[group].items()):
+            recs = sorted(recs, key=lambda r: _value_key(r["seed"]))
+            for length in lengths:
+                res = [next(r for r in rec["results"] if r["length"] == length) for rec in recs]
+                cells[setting, length] = {**head, "setting": setting, "length": length, **stats.summary(
+                    [r["nll"] for r in res], [(r["window_nll"], r["window_tokens"]) if "window_nll" in r and
+                                              "window_tokens" in r else None for r in res])}
+        for length in lengths:
+            stats.rank([c for (_, n), c in cells.items() if n == length])
+        rows += cells.values()
     return rows
 
 
+def _title(r: dict) -> str:
+    """A table's evaluation settings in words, e.g. ``nonoverlapping, validation split, max_tokens=16384, lengths 128…2048``."""
+    lengths = r["lengths"]
+    doubling = len(lengths) > 2 and all(b == 2 * a for a, b in zip(lengths, lengths[1:]))
+    return ", ".join([r["protocol"] + (f" (stride {r['stride']})" if r["protocol"] == "sliding" else ""), _split_text(r),
+                      "max_tokens=all (whole split)" if r["max_tokens"] is None else f"max_tokens={r['max_tokens']}",
+                      (f"lengths {lengths[0]}…{lengths[-1]}" if doubling else
+                       f"length{'s' * (len(lengths) > 1)} {', '.join(map(str, lengths))}")])
+
+
+def _mark(r: dict) -> str:
+    if r["test"] == "n/a":
+        return " †"
+    return "" if r["significantly_worse"] else " ★"
+
+
 def tables(rows: list[dict], train_length: int) -> str:
-    """Markdown tables, one per (protocol, stride, split): settings × lengths, ppl mean ± std, ppl(max)/ppl(L)."""
+    """Markdown tables, one per evaluation setting (its title states them): settings × lengths, cells
+    exp(mean NLL) ± std of per-seed perplexity with ★/† marks, ppl(longest)/ppl(L) per row, seeds; a note on the tests."""
     out = []
-    for group in sorted({(r["protocol"], r["stride"], r["split"]) for r in rows}, key=str):
-        sub = [r for r in rows if (r["protocol"], r["stride"], r["split"]) == group]
-        lengths = sorted({r["length"] for r in sub})
-        protocol, stride, split = group
-        title = f"{protocol}{f' (stride {stride})' if protocol == 'sliding' else ''}, {split} split"
-        lines = [f"### {title}", "", "| | " + " | ".join(str(n) for n in lengths) + f" | ppl({lengths[-1]})/ppl(L) |",
-                 "|---" * (len(lengths) + 2) + "|"]
-        for setting in dict.fromkeys(r["setting"] for r in sub):
+    for table in sorted({r["table"] for r in rows}):
+        sub = [r for r in rows if r["table"] == table]
+        lengths = sub[0]["lengths"]
+        base = train_length if train_length in lengths else lengths[0]
+        ratio = len(lengths) > 1
+        lines = [f"### {table}. {_title(sub[0])}", "",
+                 "| | " + " | ".join(map(str, lengths)) + (f" | ppl({lengths[-1]})/ppl({base})" if ratio else "") + " | seeds |",
+                 "|---" * (len(lengths) + 2 + ratio) + "|"]
+        settings_ = list(dict.fromkeys(r["setting"] for r in sub))
+        compared = len(settings_) > 1  # one row: nothing to compare, no marks
+        for setting in settings_:
             mine = {r["length"]: r for r in sub if r["setting"] == setting}
-            cells = [(f"{mine[n]['ppl_mean']:.1f}" + (f" ± {mine[n]['ppl_std']:.1f}" if mine[n]["seeds"] > 1 else ""))
-                     if n in mine else "" for n in lengths]
-            base = mine.get(train_length, mine[min(mine)])
-            lines.append(f"| {setting} | " + " | ".join(cells) + f" | {mine[max(mine)]['ppl_mean'] / base['ppl_mean']:.2f} |")
-        out.append("\n".join(lines))
+            cells = [f"{mine[n]['ppl']:.2f}" + (f" ± {mine[n]['ppl_std']:.2f}" if mine[n]["seeds"] > 1 else "")
+                     + (_mark(mine[n]) if compared else "") for n in lengths]
+            cells += [f"{mine[lengths[-1]]['ppl'] / mine[base]['ppl']:.2f}"] if ratio else []
+            lines.append(f"| {setting} | " + " | ".join(cells) + f" | {mine[lengths[0]]['seeds']} |")
+        out.append("\n".join([*lines, *(["", stats.note(sub)] if compared else [])]))
     return "\n\n".join(out)
 
 
-def _first_protocol(rows: list[dict]) -> tuple[str, str, str]:
-    """The (protocol, stride, split) that plots show: nonoverlapping when present."""
-    return min({(r["protocol"] != "nonoverlapping", r["protocol"], str(r["stride"]), r["split"]) for r in rows})[1:]
+# ---- many runs: plots and files ------------------------------------------------------------------
+
+
+def _styles(records: list[dict]) -> dict[str, dict]:
+    """One colour (and, past 10 settings, line style) per setting, the same in both plots."""
+    names = [s for _, s in sorted({(r["order"], r["setting"]) for r in records})]
+    return {name: {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]} for i, name in enumerate(names)}
 
 
 def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -> dict[str, Path]:
     """ppl_vs_length.png (log2 x, one line per setting, ± std bands, a line at L) and loss_vs_position.png
-    (NLL by token position at the longest length, one line per setting, a line at L); returns their paths."""
+    (NLL in nats/token by token position at the longest length, mean over seeds) of the first table's
+    evaluation setting (validation split and nonoverlapping when present); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    protocol = _first_protocol(rows)
-    sub = [r for r in rows if (r["protocol"], str(r["stride"]), r["split"]) == protocol]
+    sub = [r for r in rows if r["table"] == 1]
+    style, title = _styles(records), _title(sub[0])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    settings_ = sorted({r["setting"] for r in rows})
-    colour = {name: f"C{i % 10}" for i, name in enumerate(settings_)}  # one colour per setting in both plots
-    for setting in [name for name in settings_ if any(r["setting"] == name for r in sub)]:
-        pts = sorted((r["length"], r["ppl_mean"], r["ppl_std"]) for r in sub if r["setting"] == setting)
-        xs, ys, sd = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=setting, color=colour[setting])
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, color=colour[setting])
-    ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity",
-           title=f"Perplexity vs evaluation length ({protocol[0]}, {protocol[2]})")
+    for setting in dict.fromkeys(r["setting"] for r in sub):
+        xs, ys, sd = zip(*[(r["length"], r["ppl"], r["ppl_std"]) for r in sub if r["setting"] == setting])
+        ax.plot(xs, ys, marker="o", label=setting, **style[setting])
+        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, color=style[setting]["color"])
+    ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (exp mean NLL over seeds)",
+           title=f"Perplexity vs evaluation length\n{title}")
     ax.set_xscale("log", base=2)
-    ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "ppl_vs_length.png", dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, train_length, out / "ppl_vs_length.png")
 
-    swept, _ = settings(records)
-    curves = defaultdict(dict)
+    group = sub[0]["eval_settings"]
+    curves = defaultdict(list)
     for rec in records:
-        if (rec["protocol"], str(rec["stride"]), rec["split"]) != protocol:
-            continue
-        longest = max(rec["results"], key=lambda r: r["length"])
-        curves[(_label(_flat(rec["config"]), swept), longest["length"])][rec["seed"]] = longest["nll_by_position"]
+        if eval_settings(rec) == group:
+            longest = max(rec["results"], key=lambda r: r["length"])
+            curves[(rec["order"], rec["setting"], longest["length"])].append(longest["nll_by_position"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (setting, length), by_seed in sorted(curves.items()):
-        runs = list(by_seed.values())  # one curve per seed, re-evaluations of a seed counted once
+    for (_, setting, length), runs in sorted(curves.items()):
         edges = runs[0]["position"]
         xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
-        ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})", color=colour[setting])
-    ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token)",
-           title="Loss by position at the longest evaluation length")
+        ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})", **style[setting])
+    ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token, mean over seeds)",
+           title=f"Loss by position at the longest evaluation length\n{title}")
+    _finish(fig, ax, train_length, out / "loss_vs_position.png")
+    return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
+
+
+def _finish(fig, ax, train_length: int, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.title.set_fontsize(9)
     ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "loss_vs_position.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
 
 
 def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[str, Path]]:
@@ -269,32 +396,40 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
         log.warning("skipped %s", line)
     rows = fold(records)
     train_length = records[0]["train_length"]
-    _, fixed = settings(records)
+    _, fixed, varying, per_scheme = settings(records)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "report.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["setting", "protocol", "stride", "split", "length", "ppl_mean", "ppl_std", "nll_mean", "seeds"])
+        w = csv.DictWriter(f, REPORT_COLUMNS, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows)
     images = plots(records, rows, out, train_length)
-    seeds = sorted({r["seed"] for r in records})
+    seeds = sorted({r["seed"] for r in records}, key=_value_key)
     table_text = tables(rows, train_length)
+    sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
+                ("Scheme settings", [f"{name}: " + ", ".join(f"`{k}` = {v}" for k, v in vals.items()) for name, vals in per_scheme.items()]),
+                ("Settings that differ but do not split rows (bookkeeping; evaluation settings are in the table titles)",
+                 [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
+                ("Skipped", skipped)]
     text = (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
-            f"{len(records)} results from runs with seeds {seeds}; cells are mean ± std over seeds.\n\n"
-            f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n\n"
-            "## Settings held fixed\n\n" + "\n".join(f"- `{k}` = {v}" for k, v in fixed.items()) + "\n"
-            + ("\n## Skipped\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n" if skipped else ""))
+            f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
+            "and per value of every other setting that differs between runs. Each cell is the perplexity exp(mean NLL "
+            "over seeds), NLL in nats/token, ± the standard deviation over seeds of the per-seed perplexity; ★ marks "
+            "the best cell of a column and those not significantly worse (the test is named under each table).\n\n"
+            f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n"
+            + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
+                      if lines or head == "Settings held fixed"))
     (out / "report.md").write_text(text)
     return table_text, rows, images
 
 
 def ppl_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
-    """{setting: (lengths, mean ppl)} of the first protocol in ``rows`` (nonoverlapping when present)."""
-    first = _first_protocol(rows)
+    """{setting: (lengths, perplexity exp(mean NLL))} of the plotted table (the first: validation split,
+    nonoverlapping when present)."""
+    first = min(r["table"] for r in rows)
     series = defaultdict(lambda: ([], []))
-    for r in sorted(rows, key=lambda r: r["length"]):
-        if (r["protocol"], str(r["stride"]), r["split"]) == first:
-            series[r["setting"]][0].append(r["length"])
-            series[r["setting"]][1].append(r["ppl_mean"])
+    for r in sorted((r for r in rows if r["table"] == first), key=lambda r: r["length"]):
+        series[r["setting"]][0].append(r["length"])
+        series[r["setting"]][1].append(r["ppl"])
     return dict(series)
 
 

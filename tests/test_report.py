@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import scipy.stats
 from omegaconf import OmegaConf
 
+from posbench import config as schema
 from posbench import report
-from posbench.evaluate import position_bins
+from posbench.evaluate import position_bins, windows
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
 LENGTHS = [32, 64, 128]
@@ -53,13 +55,13 @@ def table_rows(text: str) -> list[str]:
 # ---- fake runs, written with the code a real run uses ----------------------------------------------
 
 
-def config(scheme: str, seed: int, seq_len: int = 32, n_layer: int = 2) -> dict:
+def config(scheme: str, seed: int, seq_len: int = 32, n_layer: int = 2, **eval_settings) -> dict:
     return {"scheme": {"name": scheme, "base": 10000.0, "max_positions": None},
             "model": {"name": "tiny", "n_layer": n_layer, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.0},
             "data": {"name": "shakespeare", "vocab_size": 512, "cache_dir": None},
             "train": {"seq_len": seq_len, "batch_size": 4, "steps": 10, "lr": 0.002},
             "eval": {"lengths": [seq_len * 2**k for k in range(3)], "protocol": "nonoverlapping", "stride": None,
-                     "split": "validation", "max_tokens": 256},
+                     "split": "validation", "max_tokens": 256, **eval_settings},
             "wandb": {"enabled": False}, "seed": seed}
 
 
@@ -69,26 +71,64 @@ def fake_ppl(scheme: str, seed: int, length: int, n_layer: int = 2) -> float:
         + [0.0, 1.7, -0.9][seed % 3] + 3.1 * (n_layer == 4)
 
 
-def rows_for(cfg: dict) -> list[dict]:
-    """Rows as ``evaluate`` makes them, with a per-position NLL curve."""
+def rows_for(cfg: dict, ppl=None) -> list[dict]:
+    """Rows as ``evaluate`` makes them, with a per-position NLL curve; ``ppl(length)`` overrides :func:`fake_ppl`."""
     out = []
     for length in cfg["eval"]["lengths"]:
-        ppl = fake_ppl(cfg["scheme"]["name"], cfg["seed"], length, cfg["model"]["n_layer"])
+        p = ppl(length) if ppl else fake_ppl(cfg["scheme"]["name"], cfg["seed"], length, cfg["model"]["n_layer"])
         edges = position_bins(length).tolist()
-        out.append({"length": length, "ppl": ppl, "nll": math.log(ppl), "tokens": 256, "windows": 256 // length,
-                    "nll_by_position": {"position": edges, "nll": [math.log(ppl) + 1 / (1 + p) for p in edges]}})
+        out.append({"length": length, "ppl": p, "nll": math.log(p), "tokens": 256, "windows": 256 // length,
+                    "nll_by_position": {"position": edges, "nll": [math.log(p) + 1 / (1 + q) for q in edges]}})
     return out
 
 
-def write_run(folder: Path, cfg: dict, results: bool = True) -> Path:
+def write_run(folder: Path, cfg: dict, results: bool = True, rows: list[dict] | None = None, **extra) -> Path:
     """A Hydra run folder: .hydra/config.yaml and (when ``results``) results.json / results.csv."""
     (folder / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(cfg), folder / ".hydra" / "config.yaml")
     if results:
-        rec = report.record(cfg, rows_for(cfg), split="validation", train_tokens=1280, train_seconds=2.5,
-                            device="cpu", threads=2, status="complete")
-        report.write_results(folder, rec)
+        write_eval(folder, cfg, rows, "results", status="complete", **extra)
     return folder
+
+
+def write_eval(folder: Path, cfg: dict, rows: list[dict] | None = None, stem: str | None = None, **extra) -> Path:
+    """A record of ``cfg`` (its ``eval`` settings) beside the run: ``eval-<protocol>-<split>-<n>.json`` by default."""
+    e = cfg["eval"]
+    rec = report.record(cfg, rows if rows is not None else rows_for(cfg), split=e["split"], train_tokens=1280,
+                        train_seconds=2.5, device="cpu", threads=2, **extra)
+    return report.write_results(folder, rec, stem or report.new_eval_stem(folder, e["protocol"], e["split"]))
+
+
+def sections(md: str) -> dict[str, str]:
+    """report.md cut at its ``## `` headings: {heading: text}, the part before the first under ""."""
+    out, head = {"": ""}, ""
+    for line in md.splitlines(keepends=True):
+        if line.startswith("## "):
+            head = line[3:].strip()
+            out[head] = ""
+        else:
+            out[head] += line
+    return out
+
+
+def md_tables(md: str) -> list[tuple[str, list[str], dict[str, list[str]]]]:
+    """(title, header cells, {row label: cells}) of every table in report.md (or the printed tables)."""
+    out = []
+    for block in md.split("### ")[1:]:
+        lines = block.splitlines()
+        header = next(line for line in lines if line.startswith("| |"))
+        rows = {}
+        for line in lines:
+            if line.startswith("| ") and not line.startswith("| |"):
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                rows[cells[0]] = cells[1:]
+        out.append((lines[0], [c.strip() for c in header.strip().strip("|").split("|")][1:], rows))
+    return out
+
+
+def report_csv(folder: Path) -> list[dict]:
+    with open(folder / "report.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 @pytest.fixture
@@ -118,26 +158,39 @@ def test_report_writes_table_csv_plots_and_names_skipped_runs(sweep, tmp_path):
     assert is_png(sweep / "ppl_vs_length.png") and is_png(sweep / "loss_vs_position.png")
     assert str(sweep / "report.md") in proc.stdout
 
-    # the table: one row per scheme, a column per length, mean ± std over the three seeds
-    assert sorted(table_rows(proc.stdout)) == ["alibi", "rope"], proc.stdout
+    # the table: one row per scheme, a column per length, exp(mean NLL) ± std of the per-seed perplexity
+    assert table_rows(proc.stdout) == ["alibi", "rope"], proc.stdout
     md = (sweep / "report.md").read_text()
-    assert sorted(table_rows(md.split("## Settings held fixed")[0])) == ["alibi", "rope"]
-    header = next(line for line in md.splitlines() if line.startswith("| |"))
-    assert header.startswith("| | 32 | 64 | 128 |"), header
-    rope_line = next(line for line in proc.stdout.splitlines() if line.startswith("| rope |"))
-    rope = [fake_ppl("rope", s, 32) for s in range(3)]
-    assert f"{statistics.fmean(rope):.1f} ± {statistics.stdev(rope):.1f}" in rope_line
+    assert table_rows(md.split("## Settings held fixed")[0]) == ["alibi", "rope"]
+    (title, header, rows), = md_tables(md)
+    assert title == "1. nonoverlapping, validation split, max_tokens=256, lengths 32…128", title
+    assert header == ["32", "64", "128", "ppl(128)/ppl(32)", "seeds"], header
+    nll = {(s, n): [math.log(fake_ppl(s, seed, n)) for seed in range(3)] for s in ("alibi", "rope") for n in LENGTHS}
+    for scheme in ("alibi", "rope"):
+        for cell, n in zip(rows[scheme], LENGTHS):
+            ppl = [fake_ppl(scheme, seed, n) for seed in range(3)]
+            assert cell.startswith(f"{math.exp(statistics.fmean(nll[scheme, n])):.2f} ± {statistics.stdev(ppl):.2f}"), cell
+        assert rows[scheme][4] == "3"
+    assert "standard deviation over seeds of the per-seed perplexity" in md
 
-    # report.csv: the same numbers, computed here from the seeds' perplexities
-    with open(sweep / "report.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert {(r["setting"], int(r["length"])) for r in rows} == {(s, n) for s in ("alibi", "rope") for n in LENGTHS}
-    for r in rows:
-        ppl = [fake_ppl(r["setting"], seed, int(r["length"])) for seed in range(3)]
+    # report.csv: the same numbers, computed here from the seeds' NLLs; rope is significantly worse (Welch)
+    csv_rows = report_csv(sweep)
+    assert [(r["setting"], int(r["length"])) for r in csv_rows] == [(s, n) for s in ("alibi", "rope") for n in LENGTHS]
+    for r in csv_rows:
+        mine = nll[r["setting"], int(r["length"])]
         assert int(r["seeds"]) == 3
-        assert float(r["ppl_mean"]) == pytest.approx(statistics.fmean(ppl), rel=1e-12)
-        assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(ppl), rel=1e-12)
-        assert r["protocol"] == "nonoverlapping" and r["split"] == "validation"
+        assert float(r["ppl"]) == pytest.approx(math.exp(statistics.fmean(mine)), rel=1e-12)
+        assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(math.exp(v) for v in mine), rel=1e-12)
+        assert float(r["nll_mean"]) == pytest.approx(statistics.fmean(mine), rel=1e-12)
+        assert float(r["nll_std"]) == pytest.approx(statistics.stdev(mine), rel=1e-12)
+        assert (r["protocol"], r["split"], r["scored_split"], r["max_tokens"], r["lengths"]) == \
+            ("nonoverlapping", "validation", "validation", "256", "32 64 128")
+        if r["setting"] == "alibi":
+            assert (r["best"], r["test"], r["p_value"], r["significantly_worse"]) == ("True", "best", "", "False")
+        else:
+            p = scipy.stats.ttest_ind(mine, nll["alibi", int(r["length"])], equal_var=False).pvalue
+            assert (r["best"], r["test"], r["significantly_worse"]) == ("False", "welch", str(p < 0.05))
+            assert float(r["p_value"]) == pytest.approx(p, rel=1e-9)
 
     # the settings held fixed, and each skipped run with its reason
     fixed = md.split("## Settings held fixed")[1].split("## Skipped")[0]
@@ -168,20 +221,18 @@ def test_report_rows_per_scheme_and_swept_setting_into_out_dir(tmp_path):
     assert sorted(p for p in root.rglob("*")) == before, "--out DIR: nothing goes into the run folders"
     assert all((out / f).is_file() for f in OUTPUTS), sorted(os.listdir(out))
     assert str(out / "report.md") in proc.stdout
-    root = out  # the report's files
     expected = [f"{s}, model.n_layer={n}" for s in ("alibi", "rope") for n in (2, 4)]
-    assert sorted(table_rows(proc.stdout)) == expected, proc.stdout
-    with open(root / "report.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert sorted({r["setting"] for r in rows}) == expected
+    assert table_rows(proc.stdout) == expected, proc.stdout
+    rows = report_csv(out)
+    assert list(dict.fromkeys(r["setting"] for r in rows)) == expected
     for r in rows:
         scheme, n_layer = r["setting"].split(", model.n_layer=")
         ppl = [fake_ppl(scheme, seed, int(r["length"]), int(n_layer)) for seed in range(2)]
-        assert float(r["ppl_mean"]) == pytest.approx(statistics.fmean(ppl), rel=1e-12)
+        assert float(r["ppl"]) == pytest.approx(math.exp(statistics.fmean(map(math.log, ppl))), rel=1e-12)
         assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(ppl), rel=1e-12)
-    fixed = (root / "report.md").read_text().split("## Settings held fixed")[1]
+    fixed = (out / "report.md").read_text().split("## Settings held fixed")[1]
     assert "model.n_layer" not in fixed and "`model.d_model` = 32" in fixed
-    assert all(is_png(root / f) for f in OUTPUTS[2:])
+    assert all(is_png(out / f) for f in OUTPUTS[2:])
 
 
 @pytest.mark.parametrize("what", ["empty folder", "missing folder"])
@@ -227,6 +278,239 @@ def test_any_broken_results_file_is_skipped_not_a_crash(sweep, content):
     assert "broken" in line, line
 
 
+# ---- what the report must never hide ------------------------------------------------------------------
+
+
+def test_a_setting_that_differs_between_schemes_labels_every_row(tmp_path):
+    """A rope sweep at n_layer=2 and an alibi sweep at n_layer=3, reported together: n_layer is in the labels."""
+    root = tmp_path / "runs"
+    for seed in range(2):
+        write_run(root / f"rope{seed}", config("rope", seed, n_layer=2))
+        alibi = config("alibi", seed, n_layer=3)
+        alibi["train"]["device"] = "cpu"  # bookkeeping: named, but it labels no row
+        write_run(root / f"alibi{seed}", alibi)
+    table_text, _, _ = report.write_report([root], root)
+    assert table_rows(table_text) == ["alibi, model.n_layer=3", "rope, model.n_layer=2"], table_text
+    parts = sections((root / "report.md").read_text())
+    assert "model.n_layer" not in parts["Settings held fixed"] and "`model.d_model` = 32" in parts["Settings held fixed"]
+    differ = next(text for head, text in parts.items() if head.startswith("Settings that differ"))
+    assert '`train.device`: "auto", "cpu"' in differ, differ
+
+
+def test_a_scheme_key_labels_the_rows_of_its_scheme(tmp_path):
+    root = tmp_path / "runs"
+    for base in (500.0, 10000.0):
+        cfg = config("rope", 0)
+        cfg["scheme"]["base"] = base
+        write_run(root / f"rope{base}", cfg)
+    write_run(root / "alibi", config("alibi", 0))
+    table_text, _, _ = report.write_report([root], root)
+    assert table_rows(table_text) == ["alibi", "rope, scheme.base=500.0", "rope, scheme.base=10000.0"], table_text
+
+
+def test_each_evaluation_setting_is_its_own_table_never_one_cell(tmp_path):
+    """Re-evaluations with another token budget, other lengths or another split are never averaged with the run."""
+    root = tmp_path / "runs"
+    evals = {"results": ({}, {}, 0.0), "budget": ({"max_tokens": 128}, {}, 100.0), "lengths": ({"lengths": [32, 64]}, {}, 200.0),
+             "test": ({"split": "test"}, {"scored_split": "validation"}, 300.0)}
+    for seed in range(2):
+        run = write_run(root / f"rope{seed}", config("rope", seed), rows=rows_for(config("rope", seed), lambda n: 10 + seed + n / 32))
+        for name, (settings, extra, offset) in evals.items():
+            if name != "results":
+                cfg = config("rope", seed, **settings)
+                write_eval(run, cfg, rows_for(cfg, lambda n: offset + 10 + seed + n / 32), **extra)
+    table_text, _, _ = report.write_report([root], root)
+    tables = md_tables(table_text)
+    titles = {title.split(". ", 1)[1]: rows["rope"] for title, _, rows in tables}
+    v = "nonoverlapping, validation split, max_tokens="
+    expected = {f"{v}256, lengths 32…128": (0.0, LENGTHS), f"{v}128, lengths 32…128": (100.0, LENGTHS),
+                f"{v}256, lengths 32, 64": (200.0, [32, 64]),
+                "nonoverlapping, test split (scored the validation files: the corpus has no test files), max_tokens=256, "
+                "lengths 32…128": (300.0, LENGTHS)}
+    assert set(titles) == set(expected), list(titles)
+    for title, (offset, lengths) in expected.items():
+        cells = titles[title]
+        for cell, n in zip(cells, lengths):
+            ppl = [offset + 10 + seed + n / 32 for seed in range(2)]
+            assert cell.startswith(f"{math.exp(statistics.fmean(map(math.log, ppl))):.2f} ± {statistics.stdev(ppl):.2f}"), (title, cell)
+    assert all(r["seeds"] == "2" for r in report_csv(root)), "a cell held records of two evaluation settings"
+
+
+def test_a_duplicate_record_is_skipped_with_its_reason(tmp_path):
+    root = tmp_path / "runs"
+    run = write_run(root / "rope0", config("rope", 0))
+    write_run(root / "alibi0", config("alibi", 0))
+    again = write_eval(run, config("rope", 0), rows_for(config("rope", 0), lambda n: 99.0))  # the same settings again
+    records, skipped = report.collect([root])
+    assert sorted(r["path"] for r in records) == sorted([str(again), str(root / "alibi0" / "results.json")])
+    assert skipped == [f"{run / 'results.json'}: duplicate of {again}"], skipped
+    table_text, _, _ = report.write_report([root], root)
+    assert md_tables(table_text)[0][2]["rope"][0].startswith("99.00 "), table_text
+    assert f"- {run / 'results.json'}: duplicate of {again}" in sections((root / "report.md").read_text())["Skipped"]
+
+
+def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
+    """A format-1 results.json from before ``model.scale_embeddings`` next to records that have the key."""
+    root = tmp_path / "runs"
+    old_cfg = config("rope", 0)
+    old = write_run(root / "old", old_cfg)
+    rec = json.loads((old / "results.json").read_text())
+    rec["format"] = 1
+    assert "scale_embeddings" not in rec["config"]["model"]
+    (old / "results.json").write_text(json.dumps(rec))
+    was = schema.upgrade(old_cfg, 1)["model"]["scale_embeddings"]  # what the schema says a format-1 run did
+    new_cfg = config("rope", 1)
+    new_cfg["model"]["scale_embeddings"] = not was
+    write_run(root / "new", new_cfg)
+    write_run(root / "alibi", config("alibi", 0))  # format 2 without the key: the schema's default
+    table_text, _, _ = report.write_report([root], root)
+    label = "{}, model.scale_embeddings={}".format
+    assert table_rows(table_text) == [label("alibi", json.dumps(schema.ModelConfig().scale_embeddings)),
+                                      *(label("rope", json.dumps(v)) for v in sorted([was, not was]))], table_text
+
+
+def test_cell_is_exp_mean_nll_and_ratio_is_each_rows_own(tmp_path):
+    root = tmp_path / "runs"
+    spread = [10.0, 40.0]  # exp(mean log) = 20, the mean of perplexities 25
+    for seed in range(2):
+        for scheme, grow in (("rope", 0.5), ("alibi", 0.0)):
+            cfg = config(scheme, seed, lengths=[16, 32, 64, 128])
+            write_run(root / f"{scheme}{seed}", cfg, rows=rows_for(cfg, lambda n: spread[seed] * (n / 32) ** grow))
+    table_text, _, _ = report.write_report([root], root)
+    (title, header, rows), = md_tables(table_text)
+    assert title.endswith("lengths 16…128") and header == ["16", "32", "64", "128", "ppl(128)/ppl(32)", "seeds"], header
+    assert rows["rope"][1].startswith(f"{20.0:.2f} ± {statistics.stdev(spread):.2f}"), rows["rope"]
+    assert rows["rope"][4] == f"{math.sqrt(128 / 32):.2f}" and rows["alibi"][4] == "1.00", rows
+
+
+def test_rows_and_seeds_are_ordered_as_numbers(tmp_path):
+    root = tmp_path / "runs"
+    for n_layer in (10, 2):
+        for seed in (10, 2):
+            write_run(root / f"l{n_layer}s{seed}", config("rope", seed, n_layer=n_layer))
+    table_text, _, _ = report.write_report([root], root)
+    assert table_rows(table_text) == ["rope, model.n_layer=2", "rope, model.n_layer=10"], table_text
+    assert list(dict.fromkeys(r["setting"] for r in report_csv(root))) == ["rope, model.n_layer=2", "rope, model.n_layer=10"]
+    assert "seeds [2, 10]" in (root / "report.md").read_text()
+
+
+NLL = {"alibi": [3.00, 3.10, 2.95], "sinusoidal": [3.02, 3.12, 2.99], "rope": [3.50, 3.55, 3.60]}
+
+
+def test_welch_p_value_over_seeds_decides_the_stars(tmp_path):
+    root = tmp_path / "runs"
+    for scheme, nll in NLL.items():
+        for seed, v in enumerate(nll):
+            cfg = config(scheme, seed)
+            write_run(root / f"{scheme}{seed}", cfg, rows=rows_for(cfg, lambda n: math.exp(v + n / 1000)))
+    table_text, _, _ = report.write_report([root], root)
+    (_, _, cells), = md_tables(table_text)
+    by = {(r["setting"], int(r["length"])): r for r in report_csv(root)}
+    for n in LENGTHS:
+        best = [v + n / 1000 for v in NLL["alibi"]]
+        assert by["alibi", n]["test"] == "best" and cells["alibi"][LENGTHS.index(n)].endswith("★")
+        for scheme in ("sinusoidal", "rope"):
+            p = scipy.stats.ttest_ind([v + n / 1000 for v in NLL[scheme]], best, equal_var=False).pvalue
+            r = by[scheme, n]
+            assert r["test"] == "welch" and float(r["p_value"]) == pytest.approx(p, rel=1e-9, abs=1e-12)
+            assert r["significantly_worse"] == str(p < 0.05)
+            assert cells[scheme][LENGTHS.index(n)].endswith("★") == (p >= 0.05), (scheme, n, p)
+        assert (by["sinusoidal", n]["significantly_worse"], by["rope", n]["significantly_worse"]) == ("False", "True")
+    assert "Welch's t-test" in table_text and "p < 0.05" in table_text
+
+
+def bootstrap_ci(a: list[float], b: list[float], tokens: list[int], resamples: int = 10_000) -> tuple[float, float]:
+    """Paired bootstrap, written out: the 2.5 and 97.5 percentiles of (Σ a − Σ b) / Σ tokens over resampled windows."""
+    import random
+
+    rng, n = random.Random(1), len(tokens)
+    stats = sorted((sum(a[i] - b[i] for i in idx) / sum(tokens[i] for i in idx))
+                   for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(resamples)))
+    return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
+
+
+def window_rows(cfg: dict, per_token) -> list[dict]:
+    """Rows with per-window NLL sums: window i of length n has NLL ``per_token(n, i)`` nats per target."""
+    e, out = cfg["eval"], []
+    for n, row in zip(e["lengths"], rows_for(cfg)):
+        tokens = [size - first for _, size, first in windows(e["max_tokens"], n, e["protocol"], e["stride"])]
+        nll = [t * per_token(n, i) for i, t in enumerate(tokens)]
+        mean = sum(nll) / sum(tokens)
+        out.append({**row, "ppl": math.exp(mean), "nll": mean, "window_nll": nll, "window_tokens": tokens})
+    return out
+
+
+def test_single_seed_rows_get_a_paired_bootstrap_over_windows(tmp_path):
+    root = tmp_path / "runs"
+    base = {"alibi": lambda n, i: 3.0 + 0.4 * math.sin(i),
+            "rope": lambda n, i: 3.3 + 0.4 * math.sin(i) + 0.05 * math.cos(i),  # obviously worse
+            "sinusoidal": lambda n, i: 3.0 + 0.4 * math.sin(i) + 0.05 * (-1) ** i}  # indistinguishable
+    sums = {}
+    for scheme, per_token in base.items():
+        cfg = config(scheme, 0, protocol="sliding", stride=16)
+        rows = window_rows(cfg, per_token)
+        sums[scheme] = {r["length"]: r for r in rows}
+        write_run(root / scheme, cfg, rows=rows)
+    old = config("learned", 0, protocol="sliding", stride=16)  # format 1: no per-window NLL, so no test
+    old["model"]["scale_embeddings"] = True
+    rec = json.loads(write_run(root / "learned", old, rows=rows_for(old, lambda n: 40.0)).joinpath("results.json").read_text())
+    (root / "learned" / "results.json").write_text(json.dumps({**rec, "format": 1}))
+    table_text, _, _ = report.write_report([root], root)
+    (title, _, cells), = md_tables(table_text)
+    assert title.startswith("1. sliding (stride 16), validation split"), title
+    by = {(r["setting"], int(r["length"])): r for r in report_csv(root)}
+    for k, n in enumerate(LENGTHS):
+        best = min(base, key=lambda s: sums[s][n]["nll"])
+        assert best in ("alibi", "sinusoidal") and by[best, n]["test"] == "best"
+        for scheme in set(base) - {best}:
+            a, b = sums[scheme][n], sums[best][n]
+            low, high = bootstrap_ci(a["window_nll"], b["window_nll"], a["window_tokens"])
+            r = by[scheme, n]
+            assert r["test"] == "bootstrap" and r["p_value"] == ""
+            width = high - low
+            assert float(r["ci_low"]) == pytest.approx(low, abs=0.1 * width) and float(r["ci_high"]) == pytest.approx(high, abs=0.1 * width)
+            assert r["significantly_worse"] == str(low > 0) == str(scheme == "rope"), (scheme, n, low, high)
+            assert cells[scheme][k].endswith("★") == (scheme != "rope"), cells
+        assert by["learned", n]["test"] == "n/a" and cells["learned"][k].endswith("†"), cells["learned"]
+    tokens = sums["alibi"][32]["window_tokens"]
+    assert f"{len(tokens)} windows at 32" in table_text and "10,000 resamples" in table_text and "95% CI" in table_text
+
+
+def test_plots_show_the_validation_split_and_the_largest_group(tmp_path, monkeypatch):
+    """A test-split re-evaluation (and a smaller validation group) must not switch the plots away from the sweep."""
+    import matplotlib.figure
+
+    shown, save = [], matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        ax = fig.axes[0]
+        shown.append((Path(path).name, ax.get_title(), {l.get_label(): list(l.get_ydata()) for l in ax.get_lines()}))
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    root = tmp_path / "runs"
+    for scheme in ("alibi", "rope"):
+        for seed in range(2):
+            run = write_run(root / f"{scheme}{seed}", config(scheme, seed))
+    write_eval(run, config("rope", 1, split="test"), rows_for(config("rope", 1), lambda n: 500.0))
+    write_eval(run, config("rope", 1, max_tokens=128), rows_for(config("rope", 1), lambda n: 600.0))
+    _, rows, _ = report.write_report([root], root)
+
+    expected = {s: (LENGTHS, [math.exp(statistics.fmean(math.log(fake_ppl(s, seed, n)) for seed in range(2))) for n in LENGTHS])
+                for s in ("alibi", "rope")}
+    series = report.ppl_series(rows)
+    assert set(series) == set(expected)
+    for s, (xs, ys) in series.items():
+        assert list(xs) == LENGTHS and ys == pytest.approx(expected[s][1], rel=1e-12), s
+    (ppl_png, ppl_title, ppl_lines), (pos_png, pos_title, pos_lines) = shown
+    assert (ppl_png, pos_png) == ("ppl_vs_length.png", "loss_vs_position.png")
+    for title in (ppl_title, pos_title):
+        assert "nonoverlapping, validation split, max_tokens=256" in title, title
+    assert ppl_lines["rope"] == pytest.approx(expected["rope"][1], rel=1e-12)
+    first_bin = statistics.fmean(math.log(fake_ppl("rope", seed, 128)) + 1 for seed in range(2))  # position 0: +1/(1+0)
+    assert pos_lines["rope (128)"][0] == pytest.approx(first_bin, rel=1e-12)
+
+
 # ---- the report at the end of a multirun --------------------------------------------------------------
 
 
@@ -246,9 +530,10 @@ def test_multirun_ends_with_a_report_in_the_sweep_folder(tmp_path_factory):
         rows = list(csv.DictReader(f))
     results = [json.loads((r / "results.json").read_text()) for r in runs]
     for r in rows:
-        ppl = [row["ppl"] for rec in results if rec["scheme"] == r["setting"]
+        nll = [row["nll"] for rec in results if rec["scheme"] == r["setting"]
                for row in rec["results"] if row["length"] == int(r["length"])]
-        assert len(ppl) == int(r["seeds"]) == 2
-        assert float(r["ppl_mean"]) == pytest.approx(statistics.fmean(ppl), rel=1e-12)
-        assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(ppl), rel=1e-12)
+        assert len(nll) == int(r["seeds"]) == 2
+        assert float(r["ppl"]) == pytest.approx(math.exp(statistics.fmean(nll)), rel=1e-12)
+        assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(math.exp(v) for v in nll), rel=1e-12)
+        assert r["test"] in ("best", "welch")
     assert {(r["setting"], int(r["length"])) for r in rows} == {(s, n) for s in ("alibi", "rope") for n in (32, 64)}

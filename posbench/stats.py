@@ -1,0 +1,115 @@
+"""Is a row of the report significantly worse than the best row at one evaluation length?
+
+Two tests, chosen by what the rows carry:
+
+* **Welch's t-test** (Welch 1947) over the per-seed NLLs, when both rows have at least two seeds: the
+  unequal-variance two-sample t-test, two-sided; p < 0.05 counts as significantly different. KERPLE
+  (Chi et al. 2022) reports this test over seeds when comparing positional schemes.
+* **Paired bootstrap over evaluation windows** (Efron & Tibshirani 1993), otherwise: both rows scored
+  the same windows of the same targets, so resample window indices with replacement and recompute the
+  difference of NLL per token, (Σ nll_A − Σ nll_B) / Σ tokens over the resampled windows. A is
+  significantly worse than B when the 95% percentile interval of that difference lies entirely above 0.
+  Each row's per-window NLL is the mean over its seeds. Pairing is exact only when both rows scored
+  identical windows (identical ``window_tokens``); otherwise no test is made.
+
+All NLLs are in nats: per token for a seed's ``nll``, summed over a window's targets for ``window_nll``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+ALPHA = 0.05  # two-sided significance level of the Welch test
+LEVEL = 0.95  # bootstrap confidence level
+RESAMPLES = 10_000
+SEED = 0  # a fixed generator seed: the same runs always give the same report
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of Welch's t-test (Welch 1947) that samples ``a`` and ``b`` (per-seed NLL, nats/token)
+    have the same mean; NaN when it is undefined (both samples without spread)."""
+    from scipy.stats import ttest_ind
+
+    return float(ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def paired_bootstrap(nll_a: list[float], nll_b: list[float], tokens: list[int], resamples: int = RESAMPLES,
+                     level: float = LEVEL, seed: int = SEED) -> tuple[float, float]:
+    """Percentile interval (Efron & Tibshirani 1993) of (Σ nll_A − Σ nll_B) / Σ tokens, in nats/token, over
+    ``resamples`` resamplings with replacement of the windows (``nll_*``: summed NLL in nats per window;
+    ``tokens``: targets scored per window, the same windows for A and B). Returns (low, high)."""
+    rng = np.random.default_rng(seed)
+    diff, tok = np.asarray(nll_a, float) - np.asarray(nll_b, float), np.asarray(tokens, float)
+    n, chunk, out = len(diff), max(1, 1_000_000 // len(diff)), []
+    for start in range(0, resamples, chunk):  # chunks keep the index matrix small for many windows
+        idx = rng.integers(0, n, size=(min(chunk, resamples - start), n))
+        out.append(diff[idx].sum(1) / tok[idx].sum(1))
+    low, high = np.percentile(np.concatenate(out), [50 * (1 - level), 50 * (1 + level)])
+    return float(low), float(high)
+
+
+def window_sums(runs: list[tuple[list[float], list[int]] | None]) -> tuple[list[float], list[int]] | None:
+    """A row's per-window NLL sums (nats) averaged over its seeds and the windows' token counts, from each
+    seed's (``window_nll``, ``window_tokens``); None when a seed lacks them or the seeds scored other windows."""
+    if not runs or any(r is None for r in runs) or len({tuple(t) for _, t in runs}) != 1:
+        return None
+    return [statistics.fmean(v) for v in zip(*(nll for nll, _ in runs))], list(runs[0][1])
+
+
+def compare(row: dict, best: dict) -> dict:
+    """Whether ``row`` is significantly worse than ``best`` (rows with ``nlls``: per-seed NLL in nats/token,
+    and ``window_runs``: per seed (window_nll, window_tokens) or None). Returns ``test`` (welch | bootstrap |
+    n/a), ``p_value`` (Welch), ``ci_low``/``ci_high`` (bootstrap, nats/token, row minus best),
+    ``significantly_worse`` (bool; False when no test could be made) and ``windows`` (bootstrap: how many)."""
+    out = {"test": "n/a", "p_value": None, "ci_low": None, "ci_high": None, "significantly_worse": False, "windows": None}
+    if len(row["nlls"]) >= 2 and len(best["nlls"]) >= 2:
+        p = welch_p(row["nlls"], best["nlls"])
+        worse = not math.isnan(p) and p < ALPHA and statistics.fmean(row["nlls"]) > statistics.fmean(best["nlls"])
+        return {**out, "test": "welch", "p_value": p, "significantly_worse": worse}
+    a, b = window_sums(row["window_runs"]), window_sums(best["window_runs"])
+    if a is None or b is None or a[1] != b[1] or len(a[1]) < 2:
+        return out
+    low, high = paired_bootstrap(a[0], b[0], a[1])
+    return {**out, "test": "bootstrap", "ci_low": low, "ci_high": high, "significantly_worse": low > 0,
+            "windows": len(a[1])}
+
+
+def summary(nlls: list[float], window_runs: list | None = None) -> dict:
+    """One cell of the report from its seeds' NLLs (nats/token): ``ppl`` = exp(mean NLL) (the perplexity of the
+    mean loss, not the mean of perplexities), ``ppl_std`` = std over seeds of the per-seed perplexity exp(NLL)
+    (0 for one seed), ``nll_mean``, ``nll_std`` (nats/token), ``seeds``; ``nlls`` and ``window_runs`` kept
+    for :func:`rank`."""
+    ppls = [math.exp(n) for n in nlls]
+    return {"ppl": math.exp(statistics.fmean(nlls)), "ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
+            "nll_mean": statistics.fmean(nlls), "nll_std": statistics.stdev(nlls) if len(nlls) > 1 else 0.0,
+            "seeds": len(nlls), "nlls": list(nlls), "window_runs": window_runs or [None] * len(nlls)}
+
+
+def rank(column: list[dict]) -> None:
+    """Mark, in place, the cells of one evaluation length (:func:`summary` dicts): ``best`` (lowest mean NLL;
+    its ``test`` is ``best``) and, for every other cell, :func:`compare` against the best."""
+    best = min(column, key=lambda c: c["nll_mean"])
+    for c in column:
+        c.update(best=c is best, **({"test": "best", "p_value": None, "ci_low": None, "ci_high": None,
+                                     "significantly_worse": False, "windows": None} if c is best else compare(c, best)))
+
+
+def note(cells: list[dict]) -> str:
+    """The note under a table: what ★ (and †) mean, and each test its cells (:func:`rank`) used, with its
+    threshold and source."""
+    tests = {c["test"] for c in cells}
+    notes = ["★: the lowest mean NLL at that length, or not significantly worse than it"]
+    if "welch" in tests:
+        notes.append(f"Welch's t-test over the per-seed NLLs (Welch 1947; as in KERPLE, Chi et al. 2022), two-sided "
+                     f"p < {ALPHA} counts as significantly worse")
+    if "bootstrap" in tests:
+        counts = sorted({(c["length"], c["windows"]) for c in cells if c["test"] == "bootstrap"})
+        notes.append("where a row has one seed: paired bootstrap over evaluation windows (Efron & Tibshirani 1993; "
+                     + ", ".join(f"{w} windows at {length}" for length, w in counts) + f"), {RESAMPLES:,} resamples, "
+                     f"significantly worse when the {LEVEL:.0%} CI of the NLL difference (nats/token) lies entirely above 0")
+    if "n/a" in tests:
+        notes.append("†: no test (a row with one seed, and no per-window NLL over the same windows as the best row)")
+    return "; ".join(notes) + "."
