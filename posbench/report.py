@@ -28,7 +28,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from posbench import stats
+from posbench import plots, stats
 from posbench.config import upgrade
 
 log = logging.getLogger("posbench")
@@ -289,7 +289,7 @@ def fold(records: list[dict]) -> list[dict]:
     return rows
 
 
-def _title(r: dict) -> str:
+def table_title(r: dict) -> str:
     """A table's evaluation settings in words, e.g. ``nonoverlapping, validation split, max_tokens=16384, lengths 128…2048``."""
     lengths = r["lengths"]
     doubling = len(lengths) > 2 and all(b == 2 * a for a, b in zip(lengths, lengths[1:]))
@@ -314,7 +314,7 @@ def tables(rows: list[dict], train_length: int) -> str:
         lengths = sub[0]["lengths"]
         base = train_length if train_length in lengths else lengths[0]
         ratio = len(lengths) > 1
-        lines = [f"### {table}. {_title(sub[0])}", "",
+        lines = [f"### {table}. {table_title(sub[0])}", "",
                  "| | " + " | ".join(map(str, lengths)) + (f" | ppl({lengths[-1]})/ppl({base})" if ratio else "") + " | seeds |",
                  "|---" * (len(lengths) + 2 + ratio) + "|"]
         settings_ = list(dict.fromkeys(r["setting"] for r in sub))
@@ -329,62 +329,7 @@ def tables(rows: list[dict], train_length: int) -> str:
     return "\n\n".join(out)
 
 
-# ---- many runs: plots and files ------------------------------------------------------------------
-
-
-def _styles(records: list[dict]) -> dict[str, dict]:
-    """One colour (and, past 10 settings, line style) per setting, the same in both plots."""
-    names = [s for _, s in sorted({(r["order"], r["setting"]) for r in records})]
-    return {name: {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]} for i, name in enumerate(names)}
-
-
-def plots(records: list[dict], rows: list[dict], out: Path, train_length: int) -> dict[str, Path]:
-    """ppl_vs_length.png (log2 x, one line per setting, ± std bands, a line at L) and loss_vs_position.png
-    (NLL in nats/token by token position at the longest length, mean over seeds) of the first table's
-    evaluation setting (validation split and nonoverlapping when present); returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sub = [r for r in rows if r["table"] == 1]
-    style, title = _styles(records), _title(sub[0])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for setting in dict.fromkeys(r["setting"] for r in sub):
-        xs, ys, sd = zip(*[(r["length"], r["ppl"], r["ppl_std"]) for r in sub if r["setting"] == setting])
-        ax.plot(xs, ys, marker="o", label=setting, **style[setting])
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, color=style[setting]["color"])
-    ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (exp mean NLL over seeds)",
-           title=f"Perplexity vs evaluation length\n{title}")
-    ax.set_xscale("log", base=2)
-    _finish(fig, ax, train_length, out / "ppl_vs_length.png")
-
-    group = sub[0]["eval_settings"]
-    curves = defaultdict(list)
-    for rec in records:
-        if eval_settings(rec) == group:
-            longest = max(rec["results"], key=lambda r: r["length"])
-            curves[(rec["order"], rec["setting"], longest["length"])].append(longest["nll_by_position"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (_, setting, length), runs in sorted(curves.items()):
-        edges = runs[0]["position"]
-        xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
-        ax.plot(xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in runs))], label=f"{setting} ({length})", **style[setting])
-    ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token, mean over seeds)",
-           title=f"Loss by position at the longest evaluation length\n{title}")
-    _finish(fig, ax, train_length, out / "loss_vs_position.png")
-    return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
-
-
-def _finish(fig, ax, train_length: int, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    ax.title.set_fontsize(9)
-    ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+# ---- many runs: files ----------------------------------------------------------------------------
 
 
 def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[str, Path]]:
@@ -402,7 +347,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
         w = csv.DictWriter(f, REPORT_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows)
-    images = plots(records, rows, out, train_length)
+    images = plots.draw(records, rows, out, train_length)
     seeds = sorted({r["seed"] for r in records}, key=_value_key)
     table_text = tables(rows, train_length)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
@@ -422,17 +367,6 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     return table_text, rows, images
 
 
-def ppl_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
-    """{setting: (lengths, perplexity exp(mean NLL))} of the plotted table (the first: validation split,
-    nonoverlapping when present)."""
-    first = min(r["table"] for r in rows)
-    series = defaultdict(lambda: ([], []))
-    for r in sorted((r for r in rows if r["table"] == first), key=lambda r: r["length"]):
-        series[r["setting"]][0].append(r["length"])
-        series[r["setting"]][1].append(r["ppl"])
-    return dict(series)
-
-
 class ReportCallback(Callback):
     """Hydra callback: at the end of every multirun, write the report into the sweep folder, print its
     tables, and log the perplexity-vs-length chart and the PNGs to a wandb run of the sweep's group."""
@@ -449,7 +383,7 @@ class ReportCallback(Callback):
         print(f"\n{table_text}\n\nreport: {sweep / 'report.md'}", flush=True)
         w = config.wandb
         tracker = Tracker(w.enabled, sweep, w.project, w.entity, name="report", group=sweep_group(sweep), job_type="report")
-        tracker.log_report(ppl_series(rows), images)
+        tracker.log_report(plots.ppl_series(rows), images)
         tracker.finish()
 
 

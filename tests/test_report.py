@@ -18,7 +18,7 @@ import pytest
 import scipy.stats
 from omegaconf import OmegaConf
 
-from posbench import config as schema
+from posbench import config as schema, plots
 from posbench import report
 from posbench.evaluate import position_bins, windows
 
@@ -498,7 +498,7 @@ def test_plots_show_the_validation_split_and_the_largest_group(tmp_path, monkeyp
 
     expected = {s: (LENGTHS, [math.exp(statistics.fmean(math.log(fake_ppl(s, seed, n)) for seed in range(2))) for n in LENGTHS])
                 for s in ("alibi", "rope")}
-    series = report.ppl_series(rows)
+    series = plots.ppl_series(rows)
     assert set(series) == set(expected)
     for s, (xs, ys) in series.items():
         assert list(xs) == LENGTHS and ys == pytest.approx(expected[s][1], rel=1e-12), s
