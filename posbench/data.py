@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +34,11 @@ LIMITS = ("tokenizer_train_chars", "max_train_docs", "max_train_tokens")  # opti
 @dataclass
 class Corpus:
     """A prepared corpus. ``tokens[split]`` is a 1-D uint16/uint32 memmap of token ids, documents
-    separated by the ``<|endoftext|>`` id; ``tokenizer_path`` is the trained ``tokenizers`` JSON."""
+    separated by the ``<|endoftext|>`` id; ``tokenizer_path`` is the trained ``tokenizers`` JSON.
+
+    ``same_as`` maps a split that holds another split's documents to that split: ``{"test": "validation"}``
+    for data=text without ``data.test_files`` (its test split is the validation files), ``{}`` otherwise;
+    ``same_as.get(split, split)`` is the split whose text is actually scored."""
 
     name: str
     key: str
@@ -42,6 +46,7 @@ class Corpus:
     tokens: dict
     vocab_size: int
     tokenizer_path: Path
+    same_as: dict = field(default_factory=dict)
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -135,7 +140,8 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
     Returns:
         the :class:`Corpus`; its memmaps hold ``meta["tokens"][split]`` ids each.
     Raises:
-        DataError: unknown corpus, missing/empty files, unknown play names, an unreachable or unreadable
+        DataError: unknown corpus, missing/empty files, a file's content in two splits (data=text's test split
+            falling back to the validation files excepted), unknown play names, an unreachable or unreadable
             paper corpus (see :func:`load_hub_corpus`), a non-positive budget, an empty split.
     """
     limits = {k: options.get(k) for k in LIMITS}
@@ -191,7 +197,12 @@ def _build(tmp: Path, identity: dict, ds, vocab_size: int, num_proc: int, limits
 
 
 def load_cached(root: Path) -> Corpus:
-    """Open a prepared corpus folder (``meta.json``, ``tokenizer.json``, ``<split>.bin``)."""
+    """Open a prepared corpus folder (``meta.json``, ``tokenizer.json``, ``<split>.bin``).
+
+    ``same_as`` comes from the per-split file lists meta.json has always recorded (file corpora): a test
+    split of the validation split's files (names and SHA-256, in order) is ``{"test": "validation"}``."""
     meta = json.loads((root / "meta.json").read_text())
     tokens = {s: np.memmap(root / f"{s}.bin", dtype=meta["dtype"], mode="r") for s in SPLITS}
-    return Corpus(meta["corpus"], root.name, root, tokens, meta["vocab_size"], root / "tokenizer.json")
+    files = meta.get("files") or {}
+    same_as = {"test": "validation"} if files.get("test") and files["test"] == files.get("validation") else {}
+    return Corpus(meta["corpus"], root.name, root, tokens, meta["vocab_size"], root / "tokenizer.json", same_as)

@@ -29,14 +29,14 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from posbench import checkpoint, data, dist, report
-from posbench.config import ConfigError, finalize, to_dict
+from posbench.config import ConfigError, check_device, finalize, to_dict
 from posbench.evaluate import evaluate, span
 from posbench.positional import SCHEMES
 from posbench.tracking import Tracker
 
 log = logging.getLogger("posbench")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving a checkpoint; re-run to resume
-RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
+RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
              "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
@@ -49,14 +49,9 @@ class Preempted(Exception):
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU. Raises ConfigError for CUDA on a machine without it."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but no CUDA device is available; use train.device=cpu")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"train.device={name!r} is unknown; choose auto, cpu or cuda")
-    return torch.device(name)
+    """``auto`` → CUDA when available, else CPU. Raises ConfigError as :func:`posbench.config.check_device`."""
+    check_device("train.device", name)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def set_threads(threads: int | None) -> int:
@@ -116,10 +111,16 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
     """The newest valid training state in ``out_dir`` when ``cfg.resume`` is auto, else None.
 
     Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
-    naming the changed keys."""
+    naming the changed keys. A changed ``train.steps`` is refused too, naming both numbers: the learning-rate
+    schedule is a function of it, so a shorter or longer run is not the same run continued."""
     state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
     if state is not None:
         changed = changed_keys(state["config"], to_dict(cfg))
+        steps = state["config"]["train"]["steps"]
+        if "train.steps" in changed:
+            raise ConfigError(f"train.steps={cfg.train.steps} but {out_dir} holds a run of train.steps={steps} "
+                              f"(checkpoint at step {state['step']}); its cosine schedule cannot be cut short or "
+                              "extended: use a new run folder, or resume=never to start over here")
         if changed:
             raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
                               "use a new run folder, or resume=never to start over here")
@@ -225,7 +226,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
             shown = dist.all_reduce_sum(loss.detach().clone()) / world  # (the mean over ranks)
             if not (torch.isfinite(shown) and torch.isfinite(grad_norm)):
                 message = f"non-finite {'loss' if not torch.isfinite(shown) else 'gradient'} at step {step + 1}; the last good checkpoint is kept"
@@ -265,7 +266,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
-    record = report.record(config, rows, split=e.split, train_tokens=seen, train_seconds=wall, device=str(device),
+    record = report.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split), train_tokens=seen, train_seconds=wall, device=str(device),
                            threads=threads, world_size=world, status="complete",
                            final_loss=loss.item() if torch.isfinite(loss) else None,
                            param_sha256=digests, resumed_from=step0 or None)

