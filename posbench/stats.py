@@ -3,8 +3,8 @@
 Two tests, chosen by what the rows carry:
 
 * **Welch's t-test** (Welch 1947) over the per-seed NLLs, when both rows have at least two seeds: the
-  unequal-variance two-sample t-test, two-sided; p < 0.05 counts as significantly different. KERPLE
-  (Chi et al. 2022) reports this test over seeds when comparing positional schemes.
+  unequal-variance two-sample t-test, two-sided; p < 0.05 counts as significantly different. Seeds are
+  the replicates: the test asks whether the scheme, not the initialisation, makes the difference.
 * **Paired bootstrap over evaluation windows** (Efron & Tibshirani 1993), otherwise: both rows scored
   the same windows of the same targets, so resample window indices with replacement and recompute the
   difference of NLL per token, (Σ nll_A − Σ nll_B) / Σ tokens over the resampled windows. A is
@@ -103,7 +103,7 @@ def note(cells: list[dict]) -> str:
     tests = {c["test"] for c in cells}
     notes = ["★: the lowest mean NLL at that length, or not significantly worse than it"]
     if "welch" in tests:
-        notes.append(f"Welch's t-test over the per-seed NLLs (Welch 1947; as in KERPLE, Chi et al. 2022), two-sided "
+        notes.append(f"Welch's t-test over the per-seed NLLs (Welch 1947), two-sided "
                      f"p < {ALPHA} counts as significantly worse")
     if "bootstrap" in tests:
         counts = sorted({(c["length"], c["windows"]) for c in cells if c["test"] == "bootstrap"})
