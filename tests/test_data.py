@@ -472,3 +472,17 @@ def test_cli_refuses_a_train_folder_holding_the_validation_file(run_cli, data_ca
         "in data.train_files; the splits must not share a file"], proc.stderr
     assert not run_dir.exists(), sorted(map(str, run_dir.rglob("*")))
     assert not list(tmp_path.glob("outputs")) and not list(tmp_path.glob("multirun"))
+
+
+def test_a_test_split_that_falls_back_to_validation_says_so_in_the_results_and_the_report(run_cli, data_cache, tmp_path):
+    """data=text without test_files: eval.split=test scores the validation files; results.json and the report say so."""
+    corpus_folder(tmp_path)
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "debug=fast", "data=text", "data.train_files=[corpus/a.txt]", "data.validation_files=[corpus/b.txt]",
+                   "eval.split=test", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert (rec["split"], rec["scored_split"]) == ("test", "validation")
+    proc = run_cli("report", run_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "test split (scored the validation files: the corpus has no test files)" in (run_dir / "report.md").read_text()
