@@ -266,8 +266,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
-    record = report.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split), train_tokens=seen, train_seconds=wall, device=str(device),
-                           threads=threads, world_size=world, status="complete",
+    record = report.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split),
+                           train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world, status="complete",
                            final_loss=loss.item() if torch.isfinite(loss) else None,
                            param_sha256=digests, resumed_from=step0 or None)
     if main:
