@@ -165,7 +165,7 @@ def bad_runs(run, cache, cwd, tmp_path_factory) -> dict:
         (folder / "checkpoint.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint" * 100)
 
     def learned(folder):
-        ok(posbench("train", "debug=fast", "scheme=learned", *EVAL, f"hydra.run.dir={folder}",
+        ok(posbench("train", "debug=fast", "scheme=learned", "scheme.max_positions=64", *EVAL, f"hydra.run.dir={folder}",
                     f"data.cache_dir={cache}", cwd=cwd))
         assert json.loads((folder / "results.json").read_text())["config"]["scheme"]["max_positions"] == 64
 
