@@ -4,11 +4,12 @@ One recipe for every scheme (docs/design.md §2), so that a comparison differs i
 embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
 code of the ALiBi paper; Vaswani et al. 2017, §3.4), weights start as in GPT-2, and the head is tied.
 
-The positional scheme is a module handed in at construction; the model calls its three hooks
-(``embed``, ``rotate``, ``bias``; see posbench/positional.py) and nothing else. Attention runs through
-``torch.nn.functional.scaled_dot_product_attention``: with ``is_causal=True`` when the scheme has no
-bias, otherwise with the scheme's bias plus the causal mask, built one block of queries at a time so
-that no (B, H, T, T) tensor is ever materialised at long evaluation lengths.
+The positional scheme is a module handed in at construction; the model calls its hooks (``embed``,
+``rotation``/``rotate``, ``score_mod``; see posbench/positional.py) and nothing else. Once per forward pass
+the model builds an attention context (posbench/attention.py: the positions, the scheme's rotation tables,
+the attention kernel and its bias or masks), which every layer shares; each layer hands its q, k, v to
+``attention.attend``: causal SDPA when the scheme has no bias, otherwise a kernel chosen for the scheme and
+device (FlexAttention on CUDA; ALiBi folded into SDPA on CPU) that never materialises a (B, H, T, T) tensor.
 
     scheme = build_scheme("alibi", d_model=128, n_head=4)
     model = GPT(vocab_size=4096, n_layer=4, n_head=4, d_model=128, d_ff=512, scheme=scheme)
@@ -20,41 +21,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from posbench import attention
 from posbench.positional import PositionalScheme
-
-BIAS_ELEMENTS = 1 << 24  # largest bias block (H · queries · keys floats) built at once: 64 MiB in fp32
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention whose positions come from the shared scheme."""
+    """Causal multi-head self-attention whose positions come from the shared scheme, through the context
+    of the forward pass (posbench/attention.py: kernel, rotation tables, bias; dropout included)."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, scheme: PositionalScheme):
+    def __init__(self, d_model: int, n_head: int, scheme: PositionalScheme):
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
         self.scheme = [scheme]  # a list, so the shared scheme is registered once, in GPT
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: attention.Context) -> torch.Tensor:
         B, T, D = x.shape
-        scheme = self.scheme[0]
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
-        q, k = scheme.rotate(q, k, pos)
-        dropout = self.dropout if self.training else 0.0
-        if scheme.bias(pos[:1], pos[:1]) is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, Dh)
-        else:
-            y = torch.empty_like(q)
-            block = max(1, BIAS_ELEMENTS // (self.n_head * T))
-            for s in range(0, T, block):
-                e = min(T, s + block)  # queries s..e-1 see keys 0..e-1
-                bias = scheme.bias(pos[s:e], pos[:e])  # (H, e-s, e)
-                causal = pos[None, :e] > pos[s:e, None]  # (e-s, e)
-                mask = bias.masked_fill(causal, float("-inf")).to(q.dtype)
-                y[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask, dropout_p=dropout)
+        q, k = self.scheme[0].rotate(q, k, ctx.rotation)
+        y = attention.attend(q, k, v, ctx)  # (B, H, T, Dh)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
 
 
@@ -64,12 +52,12 @@ class Block(nn.Module):
     def __init__(self, d_model, n_head, d_ff, dropout, scheme):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head, dropout, scheme)
+        self.attn = Attention(d_model, n_head, scheme)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, pos):
-        x = x + self.drop(self.attn(self.ln1(x), pos))
+    def forward(self, x, ctx):
+        x = x + self.drop(self.attn(self.ln1(x), ctx))
         return x + self.mlp(self.ln2(x))  # (B, T, D)
 
 
@@ -95,7 +83,7 @@ class GPT(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
-        self.scheme = scheme
+        self.scheme, self.n_head, self.dropout = scheme, n_head, dropout
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -117,6 +105,8 @@ class GPT(nn.Module):
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.scheme.embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
+        # once per pass, shared by every layer: the attention kernel, rotation tables, bias blocks
+        ctx = attention.context(self.scheme, pos, self.n_head, x.dtype, self.dropout if self.training else 0.0)
         for block in self.blocks:
-            x = block(x, pos)
+            x = block(x, ctx)
         return self.head(self.ln_f(x))  # (B, T, V)

@@ -2,11 +2,15 @@
 
 Every scheme plugs into exactly one of three hooks of :class:`PositionalScheme` (docs/design.md §3):
 
-* ``embed(x, pos)``       additive absolute positions (sinusoidal, learned)
-* ``rotate(q, k, pos)``   rotary positions applied to queries and keys (RoPE)
-* ``bias(q_pos, k_pos)``  an additive attention bias (ALiBi)
+* ``embed(x, pos)``                      additive absolute positions (sinusoidal, learned)
+* ``rotation(pos, dtype)`` and
+  ``rotate(q, k, rotation)``             rotary positions applied to queries and keys (RoPE): the tables are
+                                         computed once per forward pass, then applied in every layer
+* ``score_mod(score, h, q_pos, k_pos)``  an additive attention bias (ALiBi), with ``has_bias = True``
 
-Positions are explicit absolute token indices, so an evaluator may shift or scale them.
+Positions are explicit absolute token indices, so an evaluator may shift or scale them. The model never
+probes a hook to learn what a scheme does: the class attributes ``has_bias`` and ``key_only_bias`` say it,
+and posbench/attention.py picks the attention kernel from them.
 Build a scheme by name: ``build_scheme("alibi", d_model=128, n_head=4)``. To add one, subclass
 :class:`PositionalScheme`, override one hook and add the class to :data:`SCHEMES`.
 """
@@ -24,12 +28,24 @@ class PositionalScheme(nn.Module):
 
     All schemes share one constructor signature so the registry can build any of them.
 
+    Class attributes (what the attention kernel is chosen from; posbench/attention.py):
+        has_bias: ``score_mod`` adds a bias to the attention scores. False: causal attention is all there
+            is, and the fastest causal kernel runs.
+        key_only_bias: the bias has the form b(h, i, j) = g(h, j) − g(h, i) for every query position i and key
+            position j (any bias linear in i − j, such as ALiBi's, has it). Then, for a reference position c,
+            b(h, i, j) = b(h, c, j) + (a term that depends on i alone), and softmax ignores a term constant
+            across a query's row, so the key-only bias ``score_mod(0, h, c, k_pos)`` gives the same
+            attention; the kernel may fold it into one extra head dimension of q and k.
+
     Args:
         d_model: model width D.
         n_head: attention heads H; the head width is D / H.
         base: wavelength base of sinusoidal / rotary frequencies (10000 in both papers).
         max_positions: rows of a learned position table (unused by other schemes).
     """
+
+    has_bias: bool = False
+    key_only_bias: bool = False
 
     def __init__(self, d_model: int, n_head: int, base: float = 10000.0, max_positions: int | None = None):
         super().__init__()
@@ -39,16 +55,29 @@ class PositionalScheme(nn.Module):
         """x: (B, T, D) token embeddings, pos: (T,) int64 → (B, T, D)."""
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: (B, H, T, Dh), pos: (T,) → rotated (q, k) of the same shapes."""
+    def rotation(self, pos: torch.Tensor, dtype: torch.dtype) -> object:
+        """pos: (T,) int64 → whatever :meth:`rotate` needs for these positions (RoPE: cos and sin tables),
+        computed once per forward pass and shared by every layer; None for a scheme that does not rotate.
+        ``dtype`` is the activations' dtype (float32, or float64 in a reference computation)."""
+        return None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rotation: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, T, Dh), rotation: what :meth:`rotation` returned for their positions → rotated
+        (q, k) of the same shapes."""
         return q, k
 
-    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-        """q_pos: (Tq,), k_pos: (Tk,) → additive attention bias (H, Tq, Tk), or None for no bias.
+    def score_mod(self, score: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """The attention score of query position ``q_pos`` and key position ``k_pos`` in head ``h``, given the
+        score q·k/√Dh before positions: score + bias(h, q_pos, k_pos). Identity here.
 
-        The model applies the causal mask itself; the bias need not be masked.
+        One pointwise description serves every kernel: FlexAttention calls it with 0-d tensors (int32 indices,
+        the score in the kernel's dtype); the dense kernel with broadcastable tensors, e.g. score a 0-d zero,
+        h (H, 1, 1), q_pos (1, Tq, 1) and k_pos (1, 1, Tk) int64, to build a bias block (H, Tq, Tk). It must
+        therefore be additive in ``score`` (the dense kernel evaluates it at score 0 and adds the result) and use
+        only broadcasting tensor operations. The causal mask is the attention's, so the bias need not mask.
+        A scheme that overrides it sets ``has_bias = True``. Learned parameters used here get gradients.
         """
-        return None
+        return score
 
 
 class Sinusoidal(PositionalScheme):
@@ -108,14 +137,19 @@ class RoPE(PositionalScheme):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (Dh/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def rotate(self, q, k, pos):
+    def rotation(self, pos, dtype):
+        """pos: (T,) → (cos, sin), each (T, Dh) in ``dtype``: angles p·θ_i computed in float64, the sine's
+        first half negated so that :meth:`rotate` needs no negation."""
         angles = pos.to(torch.float64)[:, None] * self.inv_freq  # (T, Dh/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (T, Dh)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        sin = angles.sin()
+        return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # 2 × (T, Dh)
 
-        def turn(x):  # x: (B, H, T, Dh)
+    def rotate(self, q, k, rotation):
+        cos, sin = (t.to(q.dtype) for t in rotation)  # (T, Dh); a no-op cast unless autocast changed q's dtype
+
+        def turn(x):  # x: (B, H, T, Dh) → x·cos + (x2, x1)·(−sin, sin), i.e. pair (x1, x2) turned by the angle
             x1, x2 = x.chunk(2, dim=-1)
-            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+            return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
         return turn(q), turn(k)
 
@@ -142,16 +176,19 @@ def alibi_slopes(n_head: int) -> list[float]:
 class ALiBi(PositionalScheme):
     """Attention with Linear Biases, Press et al. 2022, §3: score(i, j) += −m_h · (i − j) for keys j ≤ i.
 
-    No position embeddings at all; slopes m_h from :func:`alibi_slopes`.
+    No position embeddings at all; slopes m_h from :func:`alibi_slopes`. The bias is linear in i − j, so it
+    is key-only up to a per-query constant (``key_only_bias``): −m_h·(i − j) = −m_h·(c − j) − m_h·(i − c).
     """
+
+    has_bias = True
+    key_only_bias = True
 
     def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
         super().__init__(d_model, n_head)
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)  # (H,)
 
-    def bias(self, q_pos, k_pos):
-        distance = (q_pos[:, None] - k_pos[None, :]).to(self.slopes.dtype)  # (Tq, Tk)
-        return -self.slopes[:, None, None] * distance  # (H, Tq, Tk)
+    def score_mod(self, score, h, q_pos, k_pos):
+        return score - self.slopes[h] * (q_pos - k_pos)  # slope (float32) × integer distance: exact for 2^-k slopes
 
 
 SCHEMES: dict[str, type[PositionalScheme]] = {

@@ -1,5 +1,6 @@
-"""posbench.model with every scheme: causality at the train length and past it, and the fused attention
-path (SDPA, query-blocked bias) against a naive attention written here.
+"""posbench.model with every scheme: causality at the train length and past it, the attention layer (through
+posbench/attention.py's kernels) against a naive attention written here, and the state_dict keys that
+checkpoints written before the attention kernels were split out still carry.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import posbench.model
+import posbench.attention as attention
 from posbench.checkpoint import build_model
 from posbench.model import GPT, Attention
 from posbench.positional import SCHEMES, build_scheme
@@ -48,12 +49,14 @@ def test_changing_a_later_token_leaves_earlier_logits_unchanged(name, T):
             assert not torch.allclose(out[:, t + 1], base[:, t + 1])  # the change itself is seen
 
 
-@pytest.mark.parametrize("name", ["alibi"])
-def test_causal_with_many_bias_blocks(name, monkeypatch):
-    """The query-blocked bias path (several blocks, ragged last block) is causal too."""
-    model = tiny_gpt(name)
+@pytest.mark.parametrize("kernel", ["folded", "dense"])
+def test_causal_with_many_bias_blocks(kernel, monkeypatch):
+    """ALiBi's query-blocked kernels (several blocks, ragged last block) are causal too."""
+    model = tiny_gpt("alibi")
     T = 4 * L
-    monkeypatch.setattr(posbench.model, "BIAS_ELEMENTS", 2 * T * 5)  # 5 queries per block with 2 heads
+    monkeypatch.setattr(attention, "choose_kernel", lambda *args: kernel)
+    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+    monkeypatch.setattr(attention, "BIAS_ELEMENTS", 2 * T * 5)  # 5 queries per block with 2 heads
     idx = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         base = model(idx)
@@ -67,7 +70,8 @@ def test_causal_with_many_bias_blocks(name, monkeypatch):
 
 
 def naive_attention(attn: Attention, scheme, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√Dh + bias + causal mask) · v, in float64, with explicit loops-free einsums."""
+    """softmax(q·kᵀ/√Dh + bias + causal mask) · v, in float64, with explicit loops-free einsums; the scheme's
+    rotation and bias through its hooks (checked against the papers in tests/test_positional.py)."""
     B, T, D = x.shape
     H = attn.n_head
     Dh = D // H
@@ -75,11 +79,10 @@ def naive_attention(attn: Attention, scheme, x: torch.Tensor, pos: torch.Tensor)
     xd = x.double()
     q, k, v = (xd @ W[i * D:(i + 1) * D].T for i in range(3))  # 3 × (B, T, D)
     q, k, v = (t.view(B, T, H, Dh).transpose(1, 2) for t in (q, k, v))  # 3 × (B, H, T, Dh)
-    q, k = scheme.rotate(q, k, pos)
+    q, k = scheme.rotate(q, k, scheme.rotation(pos, torch.float64))
     scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(Dh)  # (B, H, T, T)
-    bias = scheme.bias(pos, pos)
-    if bias is not None:
-        scores = scores + bias.double()
+    zero = torch.zeros((), dtype=torch.float64)
+    scores = scores + scheme.score_mod(zero, torch.arange(H)[:, None, None], pos[None, :, None], pos[None, None, :])
     future = torch.ones(T, T, dtype=torch.bool).triu(1)  # j > i
     scores = scores.masked_fill(future, float("-inf"))
     y = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)  # (B, H, T, Dh)
@@ -90,7 +93,7 @@ def naive_attention(attn: Attention, scheme, x: torch.Tensor, pos: torch.Tensor)
 def make_attention(name, d_model=32, n_head=4, seed=0):
     torch.manual_seed(seed)
     scheme = build_scheme(name, d_model, n_head, max_positions=256)
-    attn = Attention(d_model, n_head, 0.0, scheme).eval()
+    attn = Attention(d_model, n_head, scheme).eval()
     for p in attn.parameters():  # larger weights than GPT's init: sharper attention, a stronger test
         torch.nn.init.normal_(p, std=0.3)
     return attn, scheme
@@ -104,34 +107,38 @@ def test_attention_matches_naive(name, T, offset):
     x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(T))
     pos = torch.arange(T) + offset
     with torch.no_grad():
-        assert_close(attn(x, pos).double(), naive_attention(attn, scheme, x, pos), atol=2e-5, rtol=1e-4)
+        assert_close(attn(x, attention.context(scheme, pos, 4)).double(), naive_attention(attn, scheme, x, pos),
+                     atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["folded", "dense"])
 @pytest.mark.parametrize("n_head", [4, 6])
 @pytest.mark.parametrize("queries_per_block", [1, 3, 5, 64])
-def test_bias_path_in_query_blocks_matches_naive(queries_per_block, n_head, monkeypatch):
-    """ALiBi through several query blocks (BIAS_ELEMENTS made small): same output, no full bias matrix."""
+def test_bias_kernels_in_query_blocks_match_naive(queries_per_block, n_head, kernel, monkeypatch):
+    """ALiBi through several query blocks (FOLD_QUERIES, BIAS_ELEMENTS made small): same output, one bias
+    block per query block, none larger than its budget."""
     T, d_model = 23, 8 * n_head
     attn, scheme = make_attention("alibi", d_model=d_model, n_head=n_head)
     budget = n_head * T * queries_per_block
-    monkeypatch.setattr(posbench.model, "BIAS_ELEMENTS", budget)
+    monkeypatch.setattr(attention, "BIAS_ELEMENTS", budget)
+    monkeypatch.setattr(attention, "FOLD_QUERIES", queries_per_block)
     calls = []
-    real_bias = scheme.bias
+    real_score_mod = scheme.score_mod
 
-    def spy(q_pos, k_pos):
-        out = real_bias(q_pos, k_pos)
+    def spy(*args):
+        out = real_score_mod(*args)
         calls.append(out.numel())
         return out
 
-    monkeypatch.setattr(scheme, "bias", spy)
+    monkeypatch.setattr(scheme, "score_mod", spy)
     x = torch.randn(2, T, d_model, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(T) + 3
     with torch.no_grad():
-        y = attn(x, pos)
-    monkeypatch.setattr(scheme, "bias", real_bias)
+        y = attn(x, attention.context(scheme, pos, n_head, kernel=kernel))
+    monkeypatch.setattr(scheme, "score_mod", real_score_mod)
     assert_close(y.double(), naive_attention(attn, scheme, x, pos), atol=2e-5, rtol=1e-4)
-    assert len(calls) >= math.ceil(T / min(T, queries_per_block))  # one call per block (and maybe a probe)
-    assert max(calls) <= budget  # never more than BIAS_ELEMENTS floats of bias at once
+    assert len(calls) == math.ceil(T / min(T, queries_per_block))  # one bias block per query block, no probe
+    assert max(calls) <= (budget if kernel == "dense" else n_head * T)  # dense (H, Q, T) blocks; folded (H, T) keys
 
 
 # ---- positions are explicit -----------------------------------------------------------------------
@@ -162,6 +169,23 @@ def test_only_nope_is_blind_to_order(name):
         assert change < 1e-5
     else:
         assert change > 1e-4, f"{name} is blind to token order"
+
+
+# ---- checkpoints written before the attention kernels moved to posbench/attention.py -------------------
+
+BLOCK_KEYS = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.qkv.weight", "attn.proj.weight",
+              "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]
+STATE_DICT_KEYS = ["tok.weight", *(f"blocks.{i}.{key}" for i in range(2) for key in BLOCK_KEYS), "ln_f.weight",
+                   "ln_f.bias", "head.weight"]  # the keys of a 2-layer model at commit d46b673, in order
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_state_dict_keys_are_those_of_older_checkpoints(name):
+    """Every scheme's model keeps exactly the keys (and order) checkpoints were written with, so they load
+    with strict=True; the learned table is the only scheme tensor, and no buffer (slopes, frequencies,
+    masks, rotation tables) is saved."""
+    want = (["scheme.table.weight"] if name == "learned" else []) + STATE_DICT_KEYS
+    assert list(tiny_gpt(name).state_dict()) == want
 
 
 def test_tied_embeddings_and_width_check():

@@ -2,7 +2,8 @@
 
 * sinusoidal — Vaswani et al. 2017, §3.5
 * RoPE — Su et al. 2021 (RoFormer): scores depend on positions only through m − n; rotations keep norms
-* ALiBi — Press et al. 2022: slopes from the paper's ``get_slopes``; bias −m_h · (i − j) for j ≤ i
+* ALiBi — Press et al. 2022: slopes from the paper's ``get_slopes``; bias −m_h · (i − j) for j ≤ i, through
+  ``score_mod`` at score 0 on broadcast positions (as the dense kernel calls it) and on 0-d scalars (as Flex does)
 """
 
 from __future__ import annotations
@@ -74,10 +75,15 @@ def naive_rope(x, p, base=10000.0):
     return out
 
 
+def rotate(scheme, q, k, pos):
+    """The scheme's rotation of q and k at positions pos: its tables, then its rotate hook."""
+    return scheme.rotate(q, k, scheme.rotation(pos, q.dtype))
+
+
 def rope_score(scheme, q, k, m, n):
     """q·k after rotating q (B, H, 1, Dh) to position m and k to position n → (B, H)."""
-    qm, _ = scheme.rotate(q, q, torch.tensor([m]))
-    _, kn = scheme.rotate(k, k, torch.tensor([n]))
+    qm, _ = rotate(scheme, q, q, torch.tensor([m]))
+    _, kn = rotate(scheme, k, k, torch.tensor([n]))
     return (qm * kn).sum(-1)[..., 0]
 
 
@@ -99,7 +105,7 @@ def test_rope_matches_roformer_rotation():
     T = 9
     pos = torch.tensor([0, 1, 2, 3, 10, 100, 511, 512, 5000])
     q, k = torch.randn(1, 2, T, 16, dtype=torch.float64), torch.randn(1, 2, T, 16, dtype=torch.float64)
-    qr, kr = scheme.rotate(q, k, pos)
+    qr, kr = rotate(scheme, q, k, pos)
     for h in range(2):
         for t in range(T):
             p = int(pos[t])
@@ -111,7 +117,7 @@ def test_rope_base_is_used():
     torch.manual_seed(1)
     scheme = build_scheme("rope", 16, 2, base=100.0)
     x = torch.randn(1, 1, 1, 8, dtype=torch.float64)
-    qr, _ = scheme.rotate(x, x, torch.tensor([7]))
+    qr, _ = rotate(scheme, x, x, torch.tensor([7]))
     assert_close(qr[0, 0, 0], torch.tensor(naive_rope(x[0, 0, 0].tolist(), 7, base=100.0), dtype=torch.float64))
 
 
@@ -120,7 +126,7 @@ def test_rope_preserves_norms_and_is_identity_at_zero():
     scheme = RoPE(d_model=64, n_head=4)
     pos = torch.tensor([0, 1, 2, 50, 999, 8191])
     q, k = torch.randn(3, 4, 6, 16), torch.randn(3, 4, 6, 16)
-    qr, kr = scheme.rotate(q, k, pos)
+    qr, kr = rotate(scheme, q, k, pos)
     assert qr.shape == q.shape and kr.shape == k.shape
     assert_close(qr.norm(dim=-1), q.norm(dim=-1))
     assert_close(kr.norm(dim=-1), k.norm(dim=-1))
@@ -166,12 +172,18 @@ def test_alibi_scheme_uses_paper_slopes():
         assert_close(ALiBi(d_model=8 * n, n_head=n).slopes.double(), torch.tensor(get_slopes(n), dtype=torch.float64))
 
 
+def bias_of(scheme, q_pos, k_pos, score=0.0):
+    """The scheme's score_mod on broadcast positions, as the dense kernel calls it → (H, Tq, Tk)."""
+    h = torch.arange(scheme.n_head)[:, None, None]
+    return scheme.score_mod(torch.tensor(score), h, q_pos[None, :, None], k_pos[None, None, :])
+
+
 @pytest.mark.parametrize("n_head", [4, 6, 8])
 def test_alibi_bias_is_minus_slope_times_distance(n_head):
     scheme = ALiBi(d_model=4 * n_head, n_head=n_head)
     slopes = get_slopes(n_head)
     T = 20
-    bias = scheme.bias(torch.arange(T), torch.arange(T))
+    bias = bias_of(scheme, torch.arange(T), torch.arange(T))
     assert bias.shape == (n_head, T, T)
     for h in range(n_head):
         for i in range(T):
@@ -182,12 +194,40 @@ def test_alibi_bias_is_minus_slope_times_distance(n_head):
 def test_alibi_bias_of_a_query_block_uses_absolute_positions():
     """A block of queries (positions 7…11) against keys 0…11 gives the same rows as the full matrix."""
     scheme = ALiBi(d_model=24, n_head=6)
-    full = scheme.bias(torch.arange(12), torch.arange(12))  # (H, 12, 12)
-    block = scheme.bias(torch.arange(7, 12), torch.arange(12))  # (H, 5, 12)
+    full = bias_of(scheme, torch.arange(12), torch.arange(12))  # (H, 12, 12)
+    block = bias_of(scheme, torch.arange(7, 12), torch.arange(12))  # (H, 5, 12)
     assert block.shape == (6, 5, 12)
     assert_close(block, full[:, 7:12])
-    shifted = scheme.bias(torch.arange(100, 112), torch.arange(100, 112))  # only i − j matters
+    shifted = bias_of(scheme, torch.arange(100, 112), torch.arange(100, 112))  # only i − j matters
     assert_close(shifted, full)
+
+
+def test_alibi_score_mod_is_additive_and_takes_flex_scalars():
+    """score + bias for any score; with 0-d int32 head and positions (FlexAttention's call) the same numbers."""
+    scheme = ALiBi(d_model=32, n_head=4)
+    slopes = get_slopes(4)
+    scores = torch.randn(4, 9, 9, dtype=torch.float64)
+    pos = torch.arange(30, 39)
+    h = torch.arange(4)[:, None, None]
+    assert_close(scheme.score_mod(scores, h, pos[None, :, None], pos[None, None, :]), scores + bias_of(scheme, pos, pos))
+    for head, i, j in [(0, 5, 2), (3, 100, 0), (1, 7, 7), (2, 4096, 4000)]:
+        got = scheme.score_mod(torch.tensor(0.5), torch.tensor(head, dtype=torch.int32), torch.tensor(i, dtype=torch.int32),
+                               torch.tensor(j, dtype=torch.int32))
+        assert got.dim() == 0 and got.item() == pytest.approx(0.5 - slopes[head] * (i - j), rel=1e-6)
+
+
+@pytest.mark.parametrize("n_head", [4, 6])
+def test_alibi_bias_is_key_only_up_to_a_per_query_constant(n_head):
+    """key_only_bias: bias(h, i, j) − bias(h, c, j) is the same for every key j (ahead of i too), for any c,
+    which is what lets the attention fold the key-only bias(h, c, j) into q and k (posbench/attention.py)."""
+    scheme = ALiBi(d_model=4 * n_head, n_head=n_head)
+    assert scheme.has_bias and scheme.key_only_bias
+    pos = torch.arange(40) * 3 + 5
+    full = bias_of(scheme, pos, pos).double()  # (H, T, T)
+    for c in (0, 17, 500):
+        row = bias_of(scheme, torch.tensor([c]), pos).double()  # (H, 1, T)
+        difference = full - row  # (H, T, T): must not vary along keys
+        assert_close(difference, difference[:, :, :1].expand_as(difference), atol=1e-4, rtol=1e-6)
 
 
 # ---- registry -------------------------------------------------------------------------------------
@@ -203,9 +243,17 @@ def test_registry_has_the_four_schemes_and_nope():
         x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
         pos = torch.arange(1, 5)
         embeds = not torch.equal(scheme.embed(x, pos), x)
-        rotates = not torch.equal(scheme.rotate(q, q, pos)[0], q)
-        biases = scheme.bias(pos, pos) is not None
+        rotates = not torch.equal(rotate(scheme, q, q, pos)[0], q)
+        biases = scheme.has_bias
         assert embeds + rotates + biases <= 1, name
+        # has_bias says whether score_mod adds anything, so the attention never needs to probe it
+        overridden = cls.score_mod is not PositionalScheme.score_mod
+        assert cls.has_bias == overridden, name
+        assert not cls.key_only_bias or cls.has_bias, name
+        if not cls.has_bias:
+            scores = torch.randn(2, 4, 4)
+            assert torch.equal(bias_of(scheme, pos, pos, 0.0), torch.tensor(0.0)) and torch.equal(
+                scheme.score_mod(scores, torch.tensor(0), pos[:, None], pos[None]), scores)
 
 
 def test_build_scheme_unknown_name_lists_choices():

@@ -1,0 +1,378 @@
+"""posbench.attention: every kernel against a naive float64 softmax attention written here.
+
+The reference computes the scores q·kᵀ/√Dh, adds the bias of the scheme's paper computed here (ALiBi:
+−m_h·(i − j), Press et al. 2022 §3, m_h = 2^(−8h/H) for H a power of two; the learned toy: −w_h·(i − j)),
+rotates q and k first for RoPE (pairs (i, i + Dh/2) turned by p·base^(−2i/Dh), Su et al. 2021), masks every
+key after its query by index, softmaxes and multiplies by v, all in float64.
+
+Kernels: ``causal`` (SDPA is_causal), ``folded`` (a key-only bias as one extra head dimension), ``dense``
+(float-mask query blocks) and ``flex`` (FlexAttention compiled on CPU, evaluation only; skipped with the reason
+where it cannot compile). L = 16 stands for the train length; windows of L and 8L, also cut into many small
+blocks, and one of 8192 positions for the precision of the folded kernel far from a block's reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.testing import assert_close
+
+import posbench.attention as attention
+from posbench.checkpoint import build_model
+from posbench.positional import SCHEMES, PositionalScheme, build_scheme
+
+L = 16
+H, DH = 4, 8
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+class LinearBias(PositionalScheme):
+    """A learned toy: score(i, j) += −w_h · (i − j), one trained slope per head (ALiBi with learned slopes)."""
+
+    has_bias = True
+    key_only_bias = True
+
+    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
+        super().__init__(d_model, n_head)
+        self.w = nn.Parameter(torch.linspace(0.05, 0.6, n_head))
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        return score - self.w[h] * (q_pos - k_pos)
+
+
+class LinearBiasDense(LinearBias):
+    """The same bias, not declared key-only: the kernel must build it densely."""
+
+    key_only_bias = False
+
+
+def make_scheme(name: str) -> PositionalScheme:
+    if name == "toy":
+        return LinearBias(H * DH, H)
+    if name == "toy-dense":
+        return LinearBiasDense(H * DH, H)
+    return build_scheme(name, H * DH, H, max_positions=1 << 17)
+
+
+# ---- the float64 reference, from the papers' formulas ----------------------------------------------------
+
+
+def paper_bias(name: str, scheme, pos: torch.Tensor) -> torch.Tensor:
+    """(H, T, T) float64 (or a zero): the additive score bias of query i and key j at positions pos[i], pos[j]."""
+    i, j = pos[:, None].double(), pos[None, :].double()
+    if name == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * h / H) for h in range(1, H + 1)], dtype=torch.float64)
+    elif name.startswith("toy"):
+        slopes = scheme.w.double()  # keeps the graph: gradients reach w
+    else:
+        return torch.zeros((), dtype=torch.float64)
+    return -slopes[:, None, None] * (i - j)  # (H, T, T)
+
+
+def paper_rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """x (B, H, T, Dh) float64, pair (i, i + Dh/2) turned by angle pos·base^(−2i/Dh)."""
+    half = x.shape[-1] // 2
+    angle = pos.double()[:, None] * base ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])  # (T, Dh/2)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), dim=-1)
+
+
+def reference(name, scheme, q, k, v, pos, rows=None):
+    """softmax(q·kᵀ/√Dh + bias, keys after the query masked by index) · v in float64 → (B, H, R, Dh), for the
+    query indices ``rows`` (all by default)."""
+    q, k, v = q.double(), k.double(), v.double()
+    if name == "rope":
+        q, k = paper_rope(q, pos), paper_rope(k, pos)
+    T = q.shape[2]
+    rows = torch.arange(T) if rows is None else rows
+    scores = q[:, :, rows] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, R, T)
+    bias = paper_bias(name, scheme, pos)
+    scores = scores + (bias[:, rows] if bias.dim() else bias)
+    future = torch.arange(T)[None, :] > rows[:, None]  # (R, T): key index after query index
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def run(scheme, q, k, v, pos, kernel=None):
+    """The kernel's attention: context once, the scheme's rotation, then attend."""
+    ctx = attention.context(scheme, pos, H, q.dtype, kernel=kernel)
+    q, k = scheme.rotate(q, k, ctx.rotation)
+    return attention.attend(q, k, v, ctx)
+
+
+def qkv(T: int, B: int = 2, Dh: int = DH, seed: int = 0, scale: float = 1.5):
+    """Random q, k, v (B, H, T, Dh) float32, large enough for sharp attention (a stronger test)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(scale * torch.randn(B, H, T, Dh, generator=g) for _ in range(3))
+
+
+def kernels_of(name: str) -> list[str | None]:
+    """The kernels that apply to a scheme here without compiling (None: the one the context chooses)."""
+    scheme = make_scheme(name)
+    auto = attention.choose_kernel(scheme, torch.device("cpu"), torch.float32, 0.0, grad=False)
+    return ([None] if auto != "flex" else []) + ["dense"] + (["folded"] if scheme.key_only_bias else []) + \
+        ([] if scheme.has_bias else ["causal"])
+
+
+CASES = [(name, kernel) for name in [*sorted(SCHEMES), "toy", "toy-dense"] for kernel in kernels_of(name)]
+IDS = [f"{name}-{kernel or 'auto'}" for name, kernel in CASES]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Folded blocks of 5 queries and dense blocks of 7 (for H heads and T keys): many blocks, a ragged last one."""
+    def set_for(T):
+        monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+        monkeypatch.setattr(attention, "BIAS_ELEMENTS", H * T * 7)
+    return set_for
+
+
+# ---- every kernel equals the reference ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks", ["one-block", "small-blocks"])
+@pytest.mark.parametrize("offset", [0, 1000])
+@pytest.mark.parametrize("T", [L, 8 * L], ids=["L", "8L"])
+@pytest.mark.parametrize("name, kernel", CASES, ids=IDS)
+def test_kernel_matches_float64_reference(name, kernel, T, offset, blocks, small_blocks):
+    if blocks == "small-blocks":
+        small_blocks(T)
+    scheme = make_scheme(name)
+    q, k, v = qkv(T, seed=T + offset)
+    pos = torch.arange(T) + offset
+    with torch.no_grad():
+        y = run(scheme, q, k, v, pos, kernel)
+        assert y.shape == q.shape and y.dtype == q.dtype
+        assert_close(y.double(), reference(name, scheme, q, k, v, pos), **TOL)
+
+
+@pytest.mark.parametrize("offset", [0, 100_000])
+def test_folded_alibi_is_precise_at_8192_positions(offset):
+    """Far from the reference position a folded bias loses fp32 precision; the blocks keep it: within the
+    reference's tolerance for query rows at the start, the block edges, the middle and the end of 8192 tokens."""
+    T = 8192
+    scheme = make_scheme("alibi")
+    q, k, v = qkv(T, B=1, Dh=32, seed=1, scale=0.6)
+    pos = torch.arange(T) + offset
+    rows = torch.tensor([0, 1, 255, 256, 300, 4095, 4096, 4200, T - 257, T - 2, T - 1])
+    with torch.no_grad():
+        ctx = attention.context(scheme, pos, H)
+        y = attention.attend(q, k, v, ctx)
+    assert ctx.kernel == "folded" and len(ctx.blocks) == T // attention.FOLD_QUERIES
+    assert_close(y[:, :, rows].double(), reference("alibi", scheme, q, k, v, pos, rows), **TOL)
+
+
+# ---- causal by index -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positions", ["increasing", "reversed"])
+@pytest.mark.parametrize("name, kernel", [c for c in CASES if c[0] in ("alibi", "rope", "toy-dense")],
+                         ids=[i for c, i in zip(CASES, IDS) if c[0] in ("alibi", "rope", "toy-dense")])
+def test_changing_a_later_key_leaves_earlier_outputs_unchanged(name, kernel, positions, small_blocks):
+    T = 8 * L
+    small_blocks(T)
+    scheme = make_scheme(name)
+    q, k, v = qkv(T, seed=2)
+    pos = torch.arange(T) * 3 + 7
+    if positions == "reversed":  # causality is by index, whatever the positions say
+        pos = pos.flip(0)
+    with torch.no_grad():
+        base = run(scheme, q, k, v, pos, kernel)
+        for t in (0, 4, 5, 6, T // 2, T - 2):
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, t + 1:] += 1.0
+            v2[:, :, t + 1:] -= 2.0
+            out = run(scheme, q, k2, v2, pos, kernel)
+            assert_close(out[:, :, : t + 1], base[:, :, : t + 1], msg=lambda m: f"index <= {t} saw a later key: {m}")
+            if positions == "increasing":  # (reversed, a far key's bias grows without bound: the change is drowned)
+                assert not torch.allclose(out[:, :, t + 1], base[:, :, t + 1])  # the change itself is seen
+
+
+# ---- memory: no (T, T) tensor, blocks within their budget ------------------------------------------------
+
+
+class LargestTensor(TorchFunctionMode):
+    """Records the element count of the largest tensor any torch function returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.shape = 0, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+@pytest.mark.parametrize("kernel", ["dense", "folded"])
+def test_memory_stays_bounded_at_a_long_window(kernel, monkeypatch):
+    """At 4096 tokens no intermediate (context and attention, SDPA restricted to its fused kernel, which keeps
+    no score matrix) has more elements than max(bias budget, the padded q/k/v): far below T² = 16.8 M."""
+    T, B = 4096, 1
+    monkeypatch.setattr(attention, "BIAS_ELEMENTS", H * T * 64)  # dense: blocks of 64 queries
+    scheme = make_scheme("alibi")
+    q, k, v = qkv(T, B=B, seed=3)
+    pos = torch.arange(T)
+    spy = LargestTensor()
+    shapes = []
+    real_dense_mask = attention.dense_mask
+
+    def dense_mask(*args):
+        mask = real_dense_mask(*args)
+        shapes.append(mask.shape)
+        return mask
+
+    monkeypatch.setattr(attention, "dense_mask", dense_mask)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION), spy:
+        y = run(scheme, q, k, v, pos, kernel)
+    bound = max(attention.BIAS_ELEMENTS, attention.FOLD_QUERIES * (T + attention.FOLD_QUERIES), B * H * T * (DH + 1))
+    assert spy.largest <= bound, f"largest intermediate {spy.shape}"
+    assert spy.largest * 8 < T * T  # linear in T (Q · T at most), not quadratic
+    if kernel == "dense":
+        assert len(shapes) == math.ceil(T / 64) and all(math.prod(s) <= attention.BIAS_ELEMENTS for s in shapes)
+    rows = torch.tensor([0, 17, 2000, T - 1])
+    assert_close(y[:, :, rows].double(), reference("alibi", scheme, q, k, v, pos, rows), **TOL)
+
+
+# ---- gradients of a learned bias -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks", ["one-block", "small-blocks"])
+@pytest.mark.parametrize("name, kernel", [("toy-dense", None), ("toy-dense", "dense"), ("toy", None), ("toy", "folded")])
+def test_learned_bias_gets_the_reference_gradients(name, kernel, blocks, small_blocks):
+    """d(loss)/d(q, k, v, w) through the kernel equal those of the float64 reference (torch.autograd)."""
+    T = 2 * L + 3
+    if blocks == "small-blocks":
+        small_blocks(T)
+    scheme = make_scheme(name)
+    q, k, v = (t.requires_grad_() for t in qkv(T, seed=4))
+    pos = torch.arange(T) + 11
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (run(scheme, q, k, v, pos, kernel).double() * weight).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)] + [scheme.w.grad.clone()]
+    for t in (q, k, v, scheme.w):
+        t.grad = None
+    (reference(name, scheme, q, k, v, pos) * weight).sum().backward()
+    want = [t.grad for t in (q, k, v)] + [scheme.w.grad]
+    for g, w_, what in zip(got, want, ["q", "k", "v", "w"]):
+        assert g.abs().sum() > 0, what
+        assert_close(g.double(), w_.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"d/d{what}: {m}")
+
+
+# ---- FlexAttention on CPU (evaluation only) --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flex_cpu():
+    """Skips unless compiled FlexAttention runs on this CPU (it needs torch >= 2.5 and a C++ compiler)."""
+    if attention.flex_attention is None:
+        pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
+    scheme = make_scheme("alibi")
+    q, k, v = qkv(L, B=1, seed=6)
+    try:
+        with torch.no_grad():
+            run(scheme, q, k, v, torch.arange(L), "flex")
+    except Exception as err:  # noqa: BLE001 - any compiler failure means: not here
+        pytest.skip(f"compiled FlexAttention does not run on this CPU: {type(err).__name__}: {str(err)[:200]}")
+
+
+FLEX_CASES = [(name, 8 * L) for name in [*sorted(SCHEMES), "toy-dense"]] + [("alibi", L), ("toy-dense", L)]
+
+
+@pytest.mark.parametrize("name, T", FLEX_CASES, ids=[f"{name}-{T // L}L" for name, T in FLEX_CASES])
+def test_flex_on_cpu_matches_float64_reference(name, T, flex_cpu):
+    """Every scheme at 8L, the bias schemes at L too (each case compiles: a few seconds)."""
+    scheme = make_scheme(name)
+    q, k, v = qkv(T, seed=7)
+    pos = torch.arange(T) + 5
+    with torch.no_grad():
+        y = run(scheme, q, k, v, pos, "flex")
+    assert_close(y.double(), reference(name, scheme, q, k, v, pos), **TOL)
+
+
+def test_flex_refuses_a_backward_on_cpu():
+    with pytest.raises(ValueError, match="FlexAttention"):
+        attention.context(make_scheme("alibi"), torch.arange(L), H, kernel="flex")
+
+
+# ---- which kernel, chosen from class attributes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatch):
+    scheme = make_scheme(name)
+    if not type(scheme).has_bias:  # a probe of score_mod would fail here
+        monkeypatch.setattr(scheme, "score_mod", lambda *a: pytest.fail("score_mod was called for a scheme without bias"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    want = {"alibi": "folded"}.get(name, "causal")
+    for grad in (False, True):
+        assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, grad) == want
+    assert attention.context(scheme, torch.arange(L), H).kernel == want
+    with torch.no_grad():
+        run(scheme, *qkv(L), torch.arange(L))
+    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    flex = "flex" if attention.flex_attention is not None else "dense"
+    if type(scheme).has_bias:
+        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.0, True) == flex  # training and evaluation
+        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.1, True) == "dense"  # Flex has no dropout
+        assert attention.choose_kernel(scheme, cpu, torch.bfloat16, 0.0, True) == "dense"  # no fold in 8-bit mantissas
+    not_key_only = LinearBiasDense(H * DH, H)  # CPU: Flex evaluates it (measured faster than dense), dense trains it
+    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == flex
+    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, True) == "dense"
+    monkeypatch.setattr(attention, "_flex_cpu_works", False)  # Flex failed to compile here before
+    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == "dense"
+    with pytest.raises(ValueError):
+        attention.context(not_key_only, torch.arange(L), H, kernel="folded")
+    with pytest.raises(ValueError):
+        attention.context(scheme, torch.arange(L), H, kernel="sparse")
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi"])
+def test_positions_are_prepared_once_per_forward(name, monkeypatch):
+    """RoPE's tables and ALiBi's bias are computed once per forward pass, not in every layer."""
+    torch.manual_seed(0)
+    config = {"model": {"n_layer": 3, "n_head": H, "d_model": H * DH, "d_ff": 64},
+              "scheme": {"name": name, "max_positions": 128}}
+    model = build_model(config, 61).eval()
+    calls = {"rotation": 0, "score_mod": 0}
+    for hook in calls:
+        real = getattr(model.scheme, hook)
+
+        def spy(*a, hook=hook, real=real):
+            calls[hook] += 1
+            return real(*a)
+
+        monkeypatch.setattr(model.scheme, hook, spy)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (2, 3 * L)))
+    assert calls["rotation"] == 1
+    assert calls["score_mod"] == (1 if name == "alibi" else 0)  # one block of 48 ≤ FOLD_QUERIES queries
+
+
+def test_flex_that_fails_to_compile_on_cpu_falls_back_to_dense(monkeypatch, caplog):
+    """Where compiled Flex cannot run on this CPU (no C++ compiler, …), the dense kernel answers, with a warning
+    naming the reason, and later contexts choose dense directly."""
+    if attention.flex_attention is None:
+        pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(attention, "_compiled_flex", broken)
+    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    scheme = make_scheme("toy-dense")
+    q, k, v = qkv(L, seed=8)
+    pos = torch.arange(L)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="posbench"):
+        assert attention.context(scheme, pos, H).kernel == "flex"
+        y = run(scheme, q, k, v, pos)
+        assert attention.context(scheme, pos, H).kernel == "dense"
+    assert "no C++ compiler found" in caplog.text
+    assert_close(y.double(), reference("toy-dense", scheme, q, k, v, pos), **TOL)
