@@ -46,6 +46,7 @@ class PositionalScheme(nn.Module):
 
     has_bias: bool = False
     key_only_bias: bool = False
+    weight_decay: bool = False  # AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank)
 
     def __init__(self, d_model: int, n_head: int, base: float = 10000.0, max_positions: int | None = None):
         super().__init__()
@@ -109,8 +110,11 @@ class Learned(PositionalScheme):
 
     Rows past the train length L never receive a gradient; evaluating past ``max_positions`` is a
     configuration error found before training (``posbench.config.finalize``). Raises ValueError
-    when ``max_positions`` is missing or not positive.
+    when ``max_positions`` is missing or not positive. The table is weight-decayed, as GPT-2's and
+    nanoGPT's position embeddings are.
     """
+
+    weight_decay = True
 
     def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
         super().__init__(d_model, n_head)

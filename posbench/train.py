@@ -81,10 +81,17 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim ≥ 2) only; biases and LayerNorm gains are not decayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    """AdamW (Loshchilov & Hutter 2019). Decayed: the model's matrices (dim ≥ 2: embeddings, projections);
+    not decayed: biases and LayerNorm gains. A scheme's parameters (``scheme.*``) are decayed exactly when
+    its class says so (``PositionalScheme.weight_decay``), whatever their rank."""
+    scheme_decays = model.scheme.weight_decay
+
+    def decayed(name: str, p: torch.Tensor) -> bool:
+        return scheme_decays if name.startswith("scheme.") else p.dim() >= 2
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if decayed(n, p)], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), fused=fused or None)
 
 

@@ -183,3 +183,39 @@ def test_evaluation_lengths_do_not_change_the_trained_model(run_cli, data_cache,
     # and the same model scores the same span the same way at the length both runs evaluated
     at32 = [next(r for r in rec["results"] if r["length"] == 32) for rec in (r1, r2)]
     assert at32[0]["tokens"] == at32[1]["tokens"] and at32[0]["nll"] == at32[1]["nll"]
+
+
+# ---- weight decay: decided per scheme, never by a scheme parameter's rank ---------------------------------
+
+
+def _decayed_names(model) -> set[str]:
+    from posbench.train import make_optimizer
+
+    opt = make_optimizer(model, OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}), fused=False)
+    ids = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_model_decays_its_matrices_and_nothing_else(name):
+    model = built(name)
+    expected = {n for n, p in model.named_parameters() if not n.startswith("scheme.") and p.dim() >= 2}
+    expected |= {"scheme.table.weight"} if name == "learned" else set()  # GPT-2 and nanoGPT decay wpe
+    assert _decayed_names(model) == expected
+
+
+def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
+    from posbench.model import GPT
+    from posbench.positional import PositionalScheme
+
+    class Table(PositionalScheme):  # a 2-D learned bias table: rank alone would have it decayed
+        def __init__(self, d_model, n_head):
+            super().__init__(d_model, n_head)
+            self.rel = torch.nn.Parameter(torch.zeros(n_head, 8))
+
+    class DecayedTable(Table):
+        weight_decay = True
+
+    for cls, decayed in ((Table, False), (DecayedTable, True)):
+        model = GPT(VOCAB, 1, 2, 16, 32, cls(16, 2))
+        assert ("scheme.rel" in _decayed_names(model)) is decayed, cls.__name__
