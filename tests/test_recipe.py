@@ -219,3 +219,19 @@ def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
     for cls, decayed in ((Table, False), (DecayedTable, True)):
         model = GPT(VOCAB, 1, 2, 16, 32, cls(16, 2))
         assert ("scheme.rel" in _decayed_names(model)) is decayed, cls.__name__
+
+
+def test_scheme_parameters_keep_the_initialisation_their_scheme_gives_them():
+    """GPT's init (normal_ for matrices, zeros for names ending in 'bias') must not touch ``scheme.*``."""
+    from posbench.model import GPT
+    from posbench.positional import PositionalScheme
+
+    class Slopes(PositionalScheme):
+        def __init__(self, d_model, n_head):
+            super().__init__(d_model, n_head)
+            self.bias = torch.nn.Parameter(torch.full((n_head,), 0.5))
+            self.table_bias = torch.nn.Parameter(torch.full((n_head, 4), 2.0))
+
+    model = GPT(VOCAB, 1, 2, 16, 32, Slopes(16, 2))
+    assert torch.equal(model.scheme.bias, torch.full((2,), 0.5))
+    assert torch.equal(model.scheme.table_bias, torch.full((2, 4), 2.0))
