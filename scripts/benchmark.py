@@ -1,95 +1,299 @@
-"""Training and evaluation throughput of each positional scheme, eager and with torch.compile.
+"""Speed and memory of every positional scheme, as ratios to causal SDPA (nope) measured in the same run.
 
-    python scripts/benchmark.py                          # model=tiny sizes, L=128, CPU
-    python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --device cuda --compile
+    python scripts/benchmark.py --out bench.json       # model=tiny, L=128, CPU fp32, 2 threads, all schemes
+    python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --device cuda --dtype bf16 --compile
 
-Times ``--steps`` optimizer steps (forward, backward, AdamW) after ``--warmup`` untimed ones, on random
-tokens, and (eager only) one forward pass at each evaluation length; prints tokens/s and peak CUDA
-memory. Speed targets live here, not in the unit tests.
+On random tokens, one model per scheme (``posbench.checkpoint.build_model``, one seed), it measures:
 
-Seen on 2 CPU cores, torch 2.13.0, model=tiny sizes: train 14.2k tok/s eager vs 11.1k compiled (RoPE),
-13.2k vs 13.6k (ALiBi); evaluation at 2048 tokens 32k tok/s (RoPE) vs 2.7k (ALiBi: its explicit bias
-takes SDPA's math path and is rebuilt in every layer).
+* the matmul ceiling: 1024×1024 @ 1024×1024 in fp32 (bf16), 2·1024³ FLOPs, median of loops of 10 run in turn
+  with the training steps (below), so both see the same machine;
+* training: the step of posbench/train.py (forward, cross entropy, backward, clipping, AdamW from
+  ``posbench.train.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
+  step by step. GFLOP/s counts 6·N + 12·n_layer·d_model·L FLOPs per token (N: parameters but the
+  position table, tied head once), PaLM's estimate (Chowdhery et al. 2022, App. B; nanoGPT's ``estimate_mfu``):
+  one count for every scheme, so GFLOP/s ∝ tokens/s, and causal attention's masked half counted too;
+* evaluation: a no-grad forward of batch 1 at each length (default L·2^k up to 64L), ``--repeats`` times (and
+  ≥ 0.5 s) in turn with nope's at that length, after an untimed one whose peak memory growth is kept: on CPU
+  in a fresh process per case, the rise of the resident high-water mark (VmHWM, reset via
+  /proc/self/clear_refs) once a 2-token forward took the one-time costs; on CUDA, of
+  ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes.
+
+``×nope``: a scheme's median step time over nope's; the median of its forward times over nope's, each over the
+nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise). Only ratios compare across machines (machines of
+one kind here differ 2× in speed). Targets (CPU fp32, model=tiny, 2 threads), printed ✓/✗ and in the JSON:
+every bias scheme's evaluation at 16L and 64L ≤ 1.5× nope's time and ≤ 2× nope's memory growth; ALiBi's train
+step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling. ``--compile`` compiles training only. A warning
+follows the table if posbench's source changed during the run (JSON ``source_changed``): re-run then.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from posbench.model import GPT
-from posbench.positional import SCHEMES, build_scheme
+import posbench
+from posbench.checkpoint import build_model
+from posbench.positional import SCHEMES, PositionalScheme
 
-
-def bench(scheme: str, args, compile_model: bool) -> dict:
-    torch.manual_seed(0)
-    pos = build_scheme(scheme, args.d_model, args.heads, max_positions=max(args.eval_lengths))
-    model = GPT(args.vocab, args.layers, args.heads, args.d_model, 4 * args.d_model, pos).to(args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fwd = torch.compile(model) if compile_model else model
-    x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=args.device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-
-    def step():
-        with autocast:
-            logits = fwd(x[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    for _ in range(args.warmup):
-        step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync()
-    out = {"train tok/s": args.steps * args.batch * args.seq_len / (time.perf_counter() - start)}
-    if compile_model:
-        return out  # evaluation is timed eager only (a compiled model recompiles for every new length)
-    model.eval()
-    with torch.no_grad(), autocast:
-        for n in args.eval_lengths:
-            idx = torch.randint(0, args.vocab, (1, n), device=args.device)
-            model(idx)  # warm-up
-            sync()
-            start = time.perf_counter()
-            model(idx)
-            sync()
-            out[f"eval {n} tok/s"] = n / (time.perf_counter() - start)
-    if args.device == "cuda":
-        out["peak GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
+BASELINE = "nope"  # causal SDPA, no positions
+EVAL_TIME_X, EVAL_MEM_X, ALIBI_X_ROPE, CEILING_FRACTION = 1.5, 2.0, 1.10, 0.60
+TARGET_MULTIPLES = (16, 64)  # evaluation targets apply at 16L and 64L
+MARK = {True: "✓", False: "✗"}
+MEM_FLOOR = 1 << 20  # bytes: a smaller growth counts as this much in ratios
+N = 1024  # matmul ceiling size
+MIN_EVAL_SECONDS = 0.5  # short forwards are repeated past --repeats until they add up to this
 
 
-def main() -> None:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schemes", nargs="+", default=["sinusoidal", "learned", "rope", "alibi"], choices=sorted(SCHEMES))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--compile", action="store_true", help="also time torch.compile")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 512, 2048])
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
-          f"d={args.d_model} layers={args.layers} heads={args.heads} L={args.seq_len} batch={args.batch}")
-    for scheme in args.schemes:
-        for compiled in ([False, True] if args.compile else [False]):
-            row = bench(scheme, args, compiled)
-            print(f"{scheme:>10} {'compiled' if compiled else 'eager':>8}  " + "  ".join(f"{k} {v:,.0f}" if v > 10 else f"{k} {v:.2f}" for k, v in row.items()))
+    for flag, default in (("--d-model", 128), ("--layers", 4), ("--heads", 4), ("--vocab", 4096), ("--batch", 16)):
+        p.add_argument(flag, type=int, default=default, help=f"(default {default}, as model=tiny)")
+    p.add_argument("--seq-len", type=int, default=128, help="the train length L")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (set and recorded)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    p.add_argument("--steps", type=int, default=20, help="timed train steps per scheme; the median is kept")
+    p.add_argument("--warmup", type=int, default=3, help="untimed train steps per scheme")
+    p.add_argument("--lengths", type=int, nargs="+", help="evaluation lengths (default L·2^k up to 64L)")
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES), metavar="SCHEME",
+                   help=f"of {', '.join(SCHEMES)} (default all; nope, the baseline, is always added)")
+    p.add_argument("--repeats", type=int, default=3, help="timings per evaluation case; the median is kept")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    p.add_argument("--eval-case", help=argparse.SUPPRESS)  # SCHEME:LENGTH, the child process of one case
+    args = p.parse_args(argv)
+    args.lengths = args.lengths or [args.seq_len * 2**k for k in range(7)]
+    args.schemes = [BASELINE] + [s for s in dict.fromkeys(args.schemes) if s != BASELINE]
+    return args
+
+
+def make_model(args, scheme: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = {"model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model},
+              "scheme": {"name": scheme, "max_positions": max(*args.lengths, args.seq_len)}}
+    return build_model(config, args.vocab).to(args.device)
+
+
+def has_bias(scheme: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook
+    return getattr(SCHEMES[scheme], "has_bias", getattr(SCHEMES[scheme], "bias", 0) is not getattr(PositionalScheme, "bias", 0))
+
+
+def source_digest() -> str:
+    """posbench's source (every case re-imports it: an edit during a run changes the code measured)."""
+    files = sorted(Path(posbench.__file__).parent.rglob("*.py"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+
+
+def sync(args) -> None:
+    torch.cuda.synchronize() if args.device == "cuda" else None
+
+
+def autocast(args):
+    return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+
+def timed(args, fn, loops: int = 1) -> float:
+    sync(args)
+    start = time.perf_counter()
+    for _ in range(loops):
+        fn()
+    sync(args)
+    return (time.perf_counter() - start) / loops
+
+
+def matmul_sampler(args):
+    """A function timing one loop of 10 N×N @ N×N matmuls in the benchmark's dtype (seconds per matmul)."""
+    a, b = (torch.randn(N, N, device=args.device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+            for _ in range(2))
+    timed(args, lambda: a @ b, 3)
+    return lambda: timed(args, lambda: a @ b, 10)
+
+
+def train(args) -> tuple[dict, list, float]:
+    """Median seconds per training step of each scheme over ``--steps`` steps, the schemes and a matmul sample
+    taking turns; the matmul samples; the share of ``--threads`` cores this process had meanwhile."""
+    from omegaconf import OmegaConf
+
+    from posbench.config import TrainConfig
+    from posbench.train import make_optimizer
+
+    if args.device == "cpu":
+        torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU
+    t = OmegaConf.structured(TrainConfig(seq_len=args.seq_len, batch_size=args.batch))
+    x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(args.device)
+    steps = {}
+    for s in args.schemes:
+        model = make_model(args, s).train()
+        opt = make_optimizer(model, t, fused=args.device == "cuda")
+        fwd = torch.compile(model) if args.compile else model
+
+        def step(model=model, opt=opt, fwd=fwd):
+            with autocast(args):
+                logits = fwd(x[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+
+        for _ in range(args.warmup):
+            step()
+        steps[s] = step
+    matmul, cpu, wall = matmul_sampler(args), time.process_time(), time.perf_counter()
+    rounds = [{**{s: timed(args, step) for s, step in steps.items()}, "": matmul()} for _ in range(args.steps)]
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall) / args.threads
+    torch.use_deterministic_algorithms(False)
+    return ({s: {"step_seconds": statistics.median(r[s] for r in rounds), "step_seconds_all": [r[s] for r in rounds]}
+             for s in steps}, [r[""] for r in rounds], share)
+
+
+def hwm() -> int:
+    """This process's peak resident memory so far, in bytes (VmHWM; ru_maxrss where there is no /proc)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def eval_case(args, scheme: str, n: int) -> dict:
+    """Median seconds of a no-grad forward of (1, n) tokens, its median ratio to nope's timed in turn with it,
+    and the peak memory growth of the first one."""
+    model = make_model(args, scheme).eval()
+    idx = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(args.device)
+    cuda = args.device == "cuda"
+    with torch.no_grad(), autocast(args):
+        model(idx[:, :2])  # one-time costs (thread pools, kernel set-up, lazy imports: ~14 MB on CPU) go first
+        sync(args)
+        torch.cuda.reset_peak_memory_stats() if cuda else None
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current RSS (Linux ≥ 4.0)
+        before = torch.cuda.memory_allocated() if cuda else hwm()
+        model(idx)
+        sync(args)
+        growth = (torch.cuda.max_memory_allocated() if cuda else hwm()) - before
+        base = None if scheme == BASELINE else make_model(args, BASELINE).eval()
+        base(idx) if base else None  # untimed, as the scheme's
+        own, ref = [], []  # the scheme's and nope's forwards alternate, so both see the same machine
+        while len(own) < args.repeats or sum(own) + sum(ref) < MIN_EVAL_SECONDS and len(own) < 100:
+            own.append(timed(args, lambda: model(idx)))
+            ref.append(timed(args, lambda: base(idx)) if base else own[-1])
+    return {"seconds": statistics.median(own), "seconds_all": own, "nope_seconds": statistics.median(ref),
+            "time_x_nope": statistics.median(a / b for a, b in zip(own, ref)), "peak_growth_bytes": max(0, growth),
+            "source": source_digest()}
+
+
+def run_case(args, argv, scheme: str, n: int) -> dict:
+    """:func:`eval_case` in a fresh Python on CPU (so no earlier case holds the high-water mark), in-process on CUDA."""
+    if args.device == "cuda":
+        return eval_case(args, scheme, n)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--eval-case", f"{scheme}:{n}"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"evaluating {scheme} at {n} tokens failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def machine(args) -> dict:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": args.dtype,
+            "source": source_digest()}
+
+
+def check(targets: list, target: str, scheme: str, value: float, limit: float, at_least=False, **where) -> bool:
+    met = value >= limit if at_least else value <= limit
+    targets.append({"target": target, "scheme": scheme, **where, "value": value, "limit": limit, "met": met})
+    return met
+
+
+def main(argv=None) -> dict | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    if args.eval_case:  # the child process of one evaluation case
+        scheme, n = args.eval_case.rsplit(":", 1)
+        print(json.dumps(eval_case(args, scheme, int(n))))
+        return None
+    L, info, schemes = args.seq_len, machine(args), args.schemes
+    print(f"torch {info['torch']}, {info['device']} ({info['cpu']}), {info['threads']} threads, {args.dtype}; "
+          f"d={args.d_model} layers={args.layers} heads={args.heads} V={args.vocab} L={L} batch={args.batch}", flush=True)
+    named = make_model(args, BASELINE).named_parameters()  # the tied head counted once
+    n_params = sum(p.numel() for name, p in named if not name.startswith("scheme."))
+    per_token = 6 * n_params + 12 * args.layers * args.d_model * L
+    (tr, matmul, info["cpu_share_in_training"]), targets, marks = train(args), [], {}
+    ceiling = 2 * N**3 / statistics.median(matmul) / 1e9
+    print(f"matmul ceiling ({N}³ {args.dtype}): {ceiling:.1f} GFLOP/s; model FLOPs/token 6N + 12·n_layer·d·L = "
+          f"{per_token / 1e6:.2f} M (N = {n_params / 1e6:.2f} M)", flush=True)
+    if args.device == "cpu" and info["cpu_share_in_training"] < 0.8:
+        print(f"warning: training had {info['cpu_share_in_training']:.0%} of {args.threads} cores: another process "
+              "used the CPU, so ratios are unreliable", flush=True)
+    for s, r in tr.items():
+        r["tokens_per_s"] = args.batch * L / r["step_seconds"]
+        r["gflops"] = per_token * r["tokens_per_s"] / 1e9
+        r["ceiling_fraction"] = r["gflops"] / ceiling
+        r["step_x_nope"] = r["step_seconds"] / tr[BASELINE]["step_seconds"]
+        marks[s] = check(targets, f"train >= {CEILING_FRACTION:.0%} of the matmul ceiling", s, r["ceiling_fraction"],
+                         CEILING_FRACTION, at_least=True)
+    alibi_x_rope = tr["alibi"]["step_seconds"] / tr["rope"]["step_seconds"] if {"alibi", "rope"} <= set(tr) else None
+    if alibi_x_rope is not None:
+        check(targets, f"alibi train step <= {ALIBI_X_ROPE}x rope's", "alibi", alibi_x_rope, ALIBI_X_ROPE)
+    ev = {s: {} for s in schemes}
+    for n in args.lengths:  # length-major: each scheme's case runs next to nope's
+        for s in schemes:
+            ev[s][n] = run_case(args, argv, s, n)
+    for s in schemes:
+        for n, r in ev[s].items():
+            base = ev[BASELINE][n]
+            r["mem_x_nope"] = max(r["peak_growth_bytes"], MEM_FLOOR) / max(base["peak_growth_bytes"], MEM_FLOOR)
+            if has_bias(s) and n in (k * L for k in TARGET_MULTIPLES):
+                marks[s, n] = (check(targets, f"eval time at {n // L}L <= {EVAL_TIME_X}x nope's", s, r["time_x_nope"],
+                                     EVAL_TIME_X, length=n),
+                               check(targets, f"eval memory growth at {n // L}L <= {EVAL_MEM_X}x nope's", s,
+                                     r["mem_x_nope"], EVAL_MEM_X, length=n))
+
+    print(f"\n{'':<11}{'train':<42}| eval time ×nope / peak memory growth ×nope at T =")
+    print(f"{'scheme':<11}{'tok/s':>8}{'step×nope':>11}{'GFLOP/s':>9}{'ceiling':>10}  |" + "".join(f"{n:>12}" for n in args.lengths))
+    for s in schemes:
+        r, row = tr[s], ""
+        for n in args.lengths:
+            t, m, ok = f"{ev[s][n]['time_x_nope']:.2f}", f"{ev[s][n]['mem_x_nope']:.2f}", marks.get((s, n))
+            row += f"{t + MARK[ok[0]] + '/' + m + MARK[ok[1]] if ok else t + '/' + m:>12}"
+        print(f"{s:<11}{r['tokens_per_s']:>8,.0f}{r['step_x_nope']:>11.2f}{r['gflops']:>9.1f}"
+              f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  |" + row)
+    if alibi_x_rope is not None:
+        print(f"alibi step / rope step = {alibi_x_rope:.3f} {MARK[alibi_x_rope <= ALIBI_X_ROPE]} (target <= {ALIBI_X_ROPE})")
+    print("nope eval seconds at T: " + ", ".join(f"{n}: {ev[BASELINE][n]['seconds']:.3g}" for n in args.lengths))
+    print(f"targets met: {sum(t['met'] for t in targets)} of {len(targets)}")
+    changed = {source_digest(), *(e["source"] for v in ev.values() for e in v.values())} != {info["source"]}
+    if changed:
+        print("warning: posbench's source changed during the run, so its cases measured different code: re-run")
+
+    result = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "eval_case"},
+              "matmul_ceiling_gflops": ceiling, "matmul_seconds_all": matmul, "ceiling_matmul": f"{N}x{N} @ {N}x{N} {args.dtype}",
+              "flops": {"formula": "6*N + 12*n_layer*d_model*L per token (PaLM App. B; nanoGPT estimate_mfu)",
+                        "n_params": n_params, "per_token": per_token},
+              "train": tr, "alibi_step_x_rope": alibi_x_rope,
+              "eval": {s: {str(n): r for n, r in v.items()} for s, v in ev.items()},
+              "targets": targets, "all_targets_met": all(t["met"] for t in targets), "source_changed": changed}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":
