@@ -158,17 +158,6 @@ def read(path: Path, device="cpu") -> dict:
     return state
 
 
-def load(path: Path, device="cpu") -> tuple[GPT, dict]:
-    """Rebuild the model from a checkpoint; return (model in eval mode, the checkpoint dict without weights).
-
-    Raises FileNotFoundError / ValueError as :func:`read`.
-    """
-    state = read(path, device)
-    model = model_from(state, device)
-    del state["model"]
-    return model, state
-
-
 def model_from(state: dict, device="cpu") -> GPT:
     """The trained model a checkpoint dict (from :func:`read`) describes, on ``device``, in eval mode."""
     model = build_model(state["config"], state["vocab_size"]).to(device)

@@ -43,7 +43,8 @@ def test_checkpoint_reproduces_reported_perplexity(trained_run):
     from posbench import checkpoint, data
     from posbench.evaluate import evaluate
 
-    model, state = checkpoint.load(trained_run / "checkpoint.pt")
+    state = checkpoint.read(trained_run / "checkpoint.pt")
+    model = checkpoint.model_from(state)
     rec = json.loads((trained_run / "results.json").read_text())
     corpus = data.load_cached(Path(state["tokenizer"]["path"]).parent)
     e = state["config"]["eval"]

@@ -100,7 +100,8 @@ def test_final_loss_is_the_logged_mean_over_ranks(ddp):
 def test_sharded_evaluation_matches_a_single_process(ddp):
     run = _run(ddp)
     res = json.loads((run / "results.json").read_text())
-    model, state = checkpoint.load(run / checkpoint.NAME)
+    state = checkpoint.read(run / checkpoint.NAME)
+    model = checkpoint.model_from(state)
     config = state["config"]
     corpus = data.prepare(**config["data"])
     e = config["eval"]
