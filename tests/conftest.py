@@ -64,3 +64,15 @@ def trained_run(run_cli, data_cache, tmp_path_factory) -> Path:
     proc = run_cli("train", "debug=fast", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, f"debug=fast run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return run_dir
+
+
+@pytest.fixture
+def torch_state():
+    """train() in process sets threads, deterministic mode and the RNG: put them back afterwards."""
+    import torch
+
+    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
+    torch.set_rng_state(rng)

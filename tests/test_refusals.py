@@ -144,16 +144,6 @@ def test_grad_clip_0_means_no_clipping(clip_runs):
     assert [r["grad_norm"] for r in none] == [r["grad_norm"] for r in loose]
 
 
-@pytest.fixture
-def torch_state():
-    """train() in-process sets threads, deterministic mode and the RNG: put them back afterwards."""
-    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(det)
-    torch.set_rng_state(rng)
-
-
 @pytest.mark.parametrize("clip", [0, 1])
 def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_cache, tmp_path, torch_state):
     """In process: the gradients AdamW steps with have the norm metrics.jsonl logs (the norm before clipping)

@@ -179,16 +179,6 @@ def run12(finished) -> Path:
     return run
 
 
-@pytest.fixture
-def torch_state():
-    """train() in-process sets threads, deterministic mode and the RNG: put them back afterwards."""
-    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(det)
-    torch.set_rng_state(rng)
-
-
 # ---- 1. kill -9 and resume: bit-identical --------------------------------------------------------
 
 
