@@ -253,7 +253,7 @@ def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"run={job.run!r}: {e}") from None
     check_device("device", job.device)
-    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), upgrade(state["config"], state["format"]))
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
     cfg.eval = job.eval
     return finalize(cfg, schemes), state
 
