@@ -14,6 +14,7 @@ folder is made, any data is read or any step is trained.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -31,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from posbench.config import ConfigError, eval_config, finalize, register  # noqa: E402
+from posbench.config import ConfigError, eval_config, finalize, register, scheme_of  # noqa: E402
 from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402
@@ -67,6 +68,10 @@ def _one_line(err: Exception) -> str:
     key = getattr(err, "full_key", None)
     text = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        scheme = scheme_of(getattr(err, "object_type", None))
+        if scheme is not None:
+            options = [f.name for f in dataclasses.fields(SCHEMES[scheme].Config)]
+            return f"{key} is not an option of the {scheme} scheme; its options: {', '.join(options) or 'none'}"
         return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
     if key and "could not be converted" in text:
         return f"{key}: {text.replace('Value', 'value', 1)}"

@@ -2,7 +2,10 @@
 
 The dataclasses below are registered in Hydra's ConfigStore as ``posbench_schema`` and are the first
 entry of every defaults list in ``conf/``, so a misspelt key or a wrong type fails at composition time.
-:func:`finalize` fills the derived defaults (evaluation lengths, the learned table size) and checks
+The ``scheme`` group is made here too, one option per registered scheme, from the scheme's own ``Config``
+(posbench/positional.py): ``scheme=learned scheme.max_positions=64`` is checked against the learned
+scheme's fields, and ``scheme=rope scheme.max_positions=64`` fails at composition.
+:func:`finalize` fills the derived defaults (evaluation lengths, the scheme's ``Config.resolve``) and checks
 values (:class:`ConfigError`) before any data is read or any step is trained.
 
 Scheme, model and data code never see these objects: the CLI hands them plain values.
@@ -11,27 +14,24 @@ Scheme, model and data code never see these objects: the CLI hands them plain va
 from __future__ import annotations
 
 import copy
+import dataclasses
+import typing
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+from posbench import positional
 
 PROTOCOLS = ("nonoverlapping", "sliding")
-LEARNED_ROWS_PER_L = 16  # default learned table: 16·L rows, enough for the default evaluation lengths L…16L
 SPLITS = ("validation", "test")
+DEFAULT_SCHEME = "rope"  # a recorded config without scheme.name (train.yaml's default, the old schema's too)
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the CLI prints its message as one line and exits with status 2."""
-
-
-@dataclass
-class SchemeConfig:
-    name: str = "rope"
-    base: float = 10000.0  # RoPE base θ; also the sinusoidal wavelength base (Vaswani et al. use 10000)
-    max_positions: Optional[int] = None  # learned table rows; None = 16 × train.seq_len (never from eval.*)
 
 
 @dataclass
@@ -101,7 +101,7 @@ class WandbConfig:
 
 @dataclass
 class PosbenchConfig:
-    scheme: SchemeConfig = field(default_factory=SchemeConfig)
+    scheme: Any = MISSING  # one of the scheme group's schemas (scheme_schema): name + the scheme's Config fields
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -121,10 +121,49 @@ class EvalJob:
     threads: Optional[int] = None
 
 
+_SCHEMAS: dict[str, type] = {}  # scheme name → its schema, built once per scheme class
+
+
+def scheme_schema(name: str) -> type:
+    """The structured config of the scheme registered as ``name``: a dataclass with ``name: str = <name>``
+    followed by the fields (types and defaults) of the scheme's ``Config``. Importable as
+    ``posbench.config.scheme_<name>``, so configs holding it pickle (joblib and SLURM sweeps).
+
+    Raises KeyError for a name not in ``positional.SCHEMES``."""
+    cls = positional.SCHEMES[name]
+    schema = _SCHEMAS.get(name)
+    if schema is None or schema.scheme_class is not cls:
+        types = typing.get_type_hints(cls.Config)
+        fields = [("name", str, field(default=name))]
+        fields += [(f.name, types[f.name], field(default=f.default, default_factory=f.default_factory))
+                   for f in dataclasses.fields(cls.Config)]
+        schema = dataclasses.make_dataclass(f"scheme_{name}", fields, namespace={"scheme_class": cls})
+        schema.__module__, schema.__doc__ = __name__, cls.Config.__doc__
+        _SCHEMAS[name] = schema
+    return schema
+
+
+def scheme_of(schema) -> str | None:
+    """The scheme name whose :func:`scheme_schema` is ``schema``, or None for any other object."""
+    return next((name for name, known in _SCHEMAS.items() if known is schema), None)
+
+
+def __getattr__(attr: str):  # pickle looks a scheme's schema up by name, in a fresh process too
+    if attr.startswith("scheme_") and attr[len("scheme_"):] in positional.SCHEMES:
+        return scheme_schema(attr[len("scheme_"):])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
 def register() -> None:
-    """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval)."""
-    ConfigStore.instance().store(name="posbench_schema", node=PosbenchConfig)
-    ConfigStore.instance().store(name="posbench_eval_schema", node=EvalJob)
+    """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval),
+    and one option of the ``scheme`` group per scheme in ``positional.SCHEMES`` now (:func:`scheme_schema`),
+    replacing the options a previous call stored."""
+    store = ConfigStore.instance()
+    store.store(name="posbench_schema", node=PosbenchConfig)
+    store.store(name="posbench_eval_schema", node=EvalJob)
+    store.repo.pop("scheme", None)
+    for name in positional.SCHEMES:
+        store.store(group="scheme", name=name, node=scheme_schema(name))
 
 
 def _positive(name: str, value) -> None:
@@ -171,24 +210,28 @@ def check_device(key: str, name: str) -> None:
             raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
 
 
-def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
+def finalize(cfg: DictConfig, schemes=None) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``.
 
-    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and, for the learned scheme,
-    ``scheme.max_positions`` (None → 16·L; never derived from ``eval.*``, so the model, its initialisation
-    included, does not depend on how it will be evaluated).
+    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and the scheme's options: ``cfg.scheme`` is read into
+    the scheme's ``Config``, whose ``resolve(L, longest)`` fills and checks them (the learned scheme's
+    ``max_positions``: None → 16·L, never derived from ``eval.*``, so the model, its initialisation included,
+    does not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
+    ``schemes``: the registry (name → scheme class; None: ``positional.SCHEMES``).
 
     Raises:
         ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
-            ``eval.lengths``, heads that do not divide the width, a learned table smaller than the
-            largest evaluation length, an unknown scheme (``schemes`` lists the allowed names),
+            ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
+            registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
+            starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
             protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
             (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or
             ``train.device=cuda`` on a machine without CUDA.
     """
     _check_keys(cfg, PosbenchConfig())
     t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
-    if schemes and s.name not in schemes:
+    schemes = positional.SCHEMES if schemes is None else schemes
+    if s.name not in schemes:
         raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(schemes))}")
     for key in ("seq_len", "batch_size", "steps", "log_every"):
         _positive(f"train.{key}", t[key])
@@ -226,19 +269,19 @@ def finalize(cfg: DictConfig, schemes=()) -> DictConfig:
             raise ConfigError(
                 f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest evaluation length {min(e.lengths)}"
             )
-    if s.name == "learned":
-        if s.max_positions is None:
-            s.max_positions = LEARNED_ROWS_PER_L * t.seq_len
-        longest = max(max(e.lengths), t.seq_len)
-        if s.max_positions < longest:
-            raise ConfigError(
-                f"scheme.max_positions={s.max_positions}: a learned table of {s.max_positions} rows cannot serve "
-                f"length {longest}; use lengths <= {s.max_positions} or train with a larger scheme.max_positions"
-            )
+    options = {k: v for k, v in to_dict(s).items() if k != "name"}
+    try:
+        resolved = schemes[s.name].make_config(**options)
+        resolved.resolve(t.seq_len, max(max(e.lengths), t.seq_len))
+    except ValueError as err:
+        raise ConfigError(f"scheme.{err}") from None
+    with open_dict(s):
+        for key, value in dataclasses.asdict(resolved).items():
+            s[key] = value
     return cfg
 
 
-def eval_config(job: DictConfig, schemes=()) -> tuple[DictConfig, dict]:
+def eval_config(job: DictConfig, schemes=None) -> tuple[DictConfig, dict]:
     """``posbench eval``: the run's resolved config with ``job.eval`` in place of its evaluation settings.
 
     Returns (checked config, checkpoint dict). Raises ConfigError for a run folder without a readable
@@ -265,17 +308,37 @@ def to_dict(cfg: DictConfig) -> dict:
 
 def upgrade(config: dict, fmt: int) -> dict:
     """A config recorded by an older posbench (a checkpoint's or a results record's, format ``fmt``) as a
-    full config of today's schema: every key it lacks at its default, except where the default would
-    misdescribe the recorded model. Format 1 scaled token embeddings by sqrt(D) for sinusoidal only, so
-    ``model.scale_embeddings`` reads as ``scheme.name == "sinusoidal"`` there. Returns a new plain dict.
+    full config of today's schema: every key it lacks at its default (``scheme.name``: :data:`DEFAULT_SCHEME`;
+    the scheme's options: its ``Config`` defaults), except where the default would misdescribe the recorded
+    model. Format 1 scaled token embeddings by sqrt(D) for sinusoidal only, so ``model.scale_embeddings``
+    reads as ``scheme.name == "sinusoidal"`` there. Formats 1 and 2 recorded ``base`` and ``max_positions``
+    for every scheme: below format 3 the scheme keys its ``Config`` lacks are dropped. Returns a new plain dict.
 
-    Raises ConfigError when the recorded config does not fit the schema (a key it does not know, a wrong type).
+    Raises ConfigError when the recorded config does not fit the schema (a key it does not know, a scheme
+    option the scheme lacks in a format-3 config, a scheme this posbench does not have, a wrong type).
     """
     config = copy.deepcopy(config)
-    if fmt < 2 and isinstance(config.get("model"), dict):
-        sinusoidal = config.get("scheme", {}).get("name") == "sinusoidal"
-        config["model"].setdefault("scale_embeddings", sinusoidal)
+    scheme = config.get("scheme", {})
+    if not isinstance(scheme, dict):
+        raise ConfigError(f"a recorded config does not fit this posbench's schema: scheme={scheme!r} is not a mapping")
+    name = scheme.get("name", DEFAULT_SCHEME)
+    if name not in positional.SCHEMES:
+        raise ConfigError(f"a recorded config has scheme.name={name!r}, which this posbench does not have; "
+                          f"it has: {', '.join(sorted(positional.SCHEMES))}")
+    cls = positional.SCHEMES[name]
+    options = {k: v for k, v in scheme.items() if k != "name"}
+    if fmt < 3:  # formats 1 and 2 recorded base and max_positions for every scheme
+        options = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(cls.Config)}}
     try:
-        return to_dict(OmegaConf.merge(OmegaConf.structured(PosbenchConfig), config))
+        cls.make_config(**options)
+    except ValueError as e:
+        raise ConfigError(f"a recorded config does not fit this posbench's schema: scheme.{e}") from None
+    config["scheme"] = {"name": name, **options}
+    if fmt < 2 and isinstance(config.get("model"), dict):
+        config["model"].setdefault("scale_embeddings", name == "sinusoidal")
+    try:
+        base = OmegaConf.structured(PosbenchConfig)
+        base.scheme = OmegaConf.structured(scheme_schema(name))
+        return to_dict(OmegaConf.merge(base, config))
     except Exception as e:  # OmegaConf's validation errors
         raise ConfigError(f"a recorded config does not fit this posbench's schema: {str(e).splitlines()[0]}") from None

@@ -11,22 +11,31 @@ Every scheme plugs into exactly one of three hooks of :class:`PositionalScheme` 
 Positions are explicit absolute token indices, so an evaluator may shift or scale them. The model never
 probes a hook to learn what a scheme does: the class attributes ``has_bias`` and ``key_only_bias`` say it,
 and posbench/attention.py picks the attention kernel from them.
-Build a scheme by name: ``build_scheme("alibi", d_model=128, n_head=4)``. To add one, subclass
-:class:`PositionalScheme`, override one hook and add the class to :data:`SCHEMES`.
+Every scheme declares its hyperparameters in a nested dataclass ``Config`` (defaults, checks, and derived
+defaults filled by ``Config.resolve(seq_len, longest)``); the configuration system builds its schema from it
+(``posbench.config.register``), so a scheme, its options and their checks live in one place.
+Build a scheme by name: ``build_scheme("rope", d_model=128, n_head=4, base=500.0)``. To add one, subclass
+:class:`PositionalScheme` (with a ``Config`` if it has options), override one hook and add the class to
+:data:`SCHEMES`; ``scheme=<name> scheme.<option>=<value>`` then works on the command line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
 
 class PositionalScheme(nn.Module):
-    """No positional information (NoPE): every hook is the identity. The base of every scheme.
+    """No positional information (NoPE): the causal mask is the only source of order. Every hook is the
+    identity. The base of every scheme.
 
-    All schemes share one constructor signature so the registry can build any of them.
+    All schemes share one constructor signature, ``(d_model, n_head, config=None)``, so the registry can
+    build any of them; ``config`` is an instance of the scheme's own ``Config`` (None: its defaults), kept as
+    ``self.config``.
 
     Class attributes (what the attention kernel is chosen from; posbench/attention.py):
         has_bias: ``score_mod`` adds a bias to the attention scores. False: causal attention is all there
@@ -40,17 +49,40 @@ class PositionalScheme(nn.Module):
     Args:
         d_model: model width D.
         n_head: attention heads H; the head width is D / H.
-        base: wavelength base of sinusoidal / rotary frequencies (10000 in both papers).
-        max_positions: rows of a learned position table (unused by other schemes).
+        config: the scheme's hyperparameters, a ``self.Config``; None gives the defaults.
     """
 
     has_bias: bool = False
     key_only_bias: bool = False
     weight_decay: bool = False  # AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank)
 
-    def __init__(self, d_model: int, n_head: int, base: float = 10000.0, max_positions: int | None = None):
+    @dataclasses.dataclass
+    class Config:
+        """The scheme's hyperparameters: none. A scheme with options declares its own ``@dataclass class
+        Config(PositionalScheme.Config)`` with typed fields (their types are the configuration's types),
+        defaults, a docstring, and a :meth:`resolve` that checks them."""
+
+        def resolve(self, seq_len: int, longest: int) -> None:
+            """Fill derived defaults in place from the train length ``seq_len`` (L) and check every value;
+            ``longest`` is the longest length the model will see (L or the longest evaluation length).
+
+            Raises ValueError whose message starts with ``<field>=<value>`` and says what is allowed."""
+
+    def __init__(self, d_model: int, n_head: int, config: Config | None = None):
         super().__init__()
         self.d_model, self.n_head = d_model, n_head
+        self.config = self.Config() if config is None else config
+
+    @classmethod
+    def make_config(cls, **options) -> Config:
+        """``cls.Config(**options)``, not resolved. Raises ValueError for an option the Config lacks, starting
+        ``<option>=<value>`` and listing the scheme's options."""
+        allowed = [f.name for f in dataclasses.fields(cls.Config)]
+        for key, value in options.items():
+            if key not in allowed:
+                raise ValueError(f"{key}={value!r}: the {cls.__name__} scheme has no option {key!r}; its options: "
+                                 f"{', '.join(allowed) or 'none'}")
+        return cls.Config(**options)
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D) token embeddings, pos: (T,) int64 → (B, T, D)."""
@@ -89,11 +121,20 @@ class Sinusoidal(PositionalScheme):
     Defined for every position p ≥ 0. Requires an even D (ValueError otherwise).
     """
 
-    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
-        super().__init__(d_model, n_head)
+    @dataclasses.dataclass
+    class Config(PositionalScheme.Config):
+        """base: the wavelength base (Vaswani et al. use 10000); must be > 0."""
+
+        base: float = 10000.0
+
+        def resolve(self, seq_len: int, longest: int) -> None:
+            _check_base(self.base)
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
         if d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
-        inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (D/2,)
+        inv_freq = self.config.base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (D/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def table(self, pos: torch.Tensor) -> torch.Tensor:
@@ -105,22 +146,41 @@ class Sinusoidal(PositionalScheme):
         return x + self.table(pos).to(x.dtype)  # (B, T, D)
 
 
+LEARNED_ROWS_PER_L = 16  # default learned table: 16·L rows, enough for the default evaluation lengths L…16L
+
+
 class Learned(PositionalScheme):
     """A trained table of absolute position embeddings (GPT-2 style), ``max_positions`` rows of width D.
 
     Rows past the train length L never receive a gradient; evaluating past ``max_positions`` is a
-    configuration error found before training (``posbench.config.finalize``). Raises ValueError
-    when ``max_positions`` is missing or not positive. The table is weight-decayed, as GPT-2's and
-    nanoGPT's position embeddings are.
+    configuration error found before training (``Config.resolve``, called by ``posbench.config.finalize``).
+    Raises ValueError when ``max_positions`` is missing (unresolved) or not positive. The table is
+    weight-decayed, as GPT-2's and nanoGPT's position embeddings are.
     """
 
     weight_decay = True
 
-    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
-        super().__init__(d_model, n_head)
-        if not max_positions or max_positions < 1:
-            raise ValueError(f"the learned scheme needs max_positions >= 1, got {max_positions}")
-        self.table = nn.Embedding(max_positions, d_model)
+    @dataclasses.dataclass
+    class Config(PositionalScheme.Config):
+        """max_positions: rows of the table; None resolves to 16 × L (never sized from the evaluation lengths,
+        so the model does not depend on how it is evaluated); must be >= the longest length it serves."""
+
+        max_positions: Optional[int] = None
+
+        def resolve(self, seq_len: int, longest: int) -> None:
+            if self.max_positions is None:
+                self.max_positions = LEARNED_ROWS_PER_L * seq_len
+            n = self.max_positions
+            if isinstance(n, bool) or not isinstance(n, int) or n < longest:
+                raise ValueError(f"max_positions={n}: a learned table of {n} rows cannot serve length {longest}; "
+                                 f"use lengths <= {n} or train with a larger max_positions")
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
+        n = self.config.max_positions
+        if not n or n < 1:
+            raise ValueError(f"the learned scheme needs max_positions >= 1, got {n}")
+        self.table = nn.Embedding(n, d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 
     def embed(self, x, pos):
@@ -135,10 +195,19 @@ class RoPE(PositionalScheme):
     GPT-NeoX), a fixed permutation of the paper's adjacent pairs that leaves every score unchanged.
     """
 
-    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
-        super().__init__(d_model, n_head)
+    @dataclasses.dataclass
+    class Config(PositionalScheme.Config):
+        """base: θ of the frequencies θ_i = base^(−2i/Dh) (RoFormer uses 10000); must be > 0."""
+
+        base: float = 10000.0
+
+        def resolve(self, seq_len: int, longest: int) -> None:
+            _check_base(self.base)
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
         head_dim = d_model // n_head
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (Dh/2,)
+        inv_freq = self.config.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (Dh/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rotation(self, pos, dtype):
@@ -187,8 +256,8 @@ class ALiBi(PositionalScheme):
     has_bias = True
     key_only_bias = True
 
-    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
-        super().__init__(d_model, n_head)
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)  # (H,)
 
     def score_mod(self, score, h, q_pos, k_pos):
@@ -204,12 +273,20 @@ SCHEMES: dict[str, type[PositionalScheme]] = {
 }
 
 
+def _check_base(base) -> None:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+        raise ValueError(f"base={base!r}: the wavelength base must be a number > 0")
+
+
 def build_scheme(name: str, d_model: int, n_head: int, **options) -> PositionalScheme:
-    """The scheme registered as ``name``; ``options`` are ``base`` and ``max_positions``.
+    """The scheme registered as ``name``, built with its ``make_config(**options)`` (not resolved: give
+    resolved values, e.g. the learned scheme's ``max_positions``).
 
     Raises:
-        ValueError: ``name`` is not in :data:`SCHEMES` (the message lists the choices).
+        ValueError: ``name`` is not in :data:`SCHEMES` (the message lists the choices), an option the scheme
+            lacks (the message names it and the scheme's options), or a value the scheme's constructor refuses.
     """
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
-    return SCHEMES[name](d_model, n_head, **options)
+    cls = SCHEMES[name]
+    return cls(d_model, n_head, cls.make_config(**options))

@@ -32,7 +32,8 @@ from posbench import plots, stats
 from posbench.config import upgrade
 
 log = logging.getLogger("posbench")
-FORMAT = 2  # 2: rows carry window_nll / window_tokens, records scored_split; format-1 records are still read
+FORMAT = 3  # 3: config.scheme holds the scheme's own options only; 2: rows carry window_nll / window_tokens
+READABLE = (1, 2, 3)  # older records are read too, their configs through posbench.config.upgrade
 CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
                "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
@@ -179,8 +180,8 @@ ROW_KEYS = ("length", "ppl", "nll", "nll_by_position")
 
 
 def _well_formed(rec) -> bool:
-    """A results record of format 1 or 2 with every key the report reads."""
-    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS) and rec["format"] in (1, 2)
+    """A results record of a :data:`READABLE` format with every key the report reads."""
+    return (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS) and rec["format"] in READABLE
             and isinstance(rec["config"], dict) and isinstance(rec["results"], list) and len(rec["results"]) > 0
             and all(isinstance(r, dict) and all(k in r for k in ROW_KEYS) for r in rec["results"]))
 
@@ -206,14 +207,17 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     * label keys per scheme name: ``scheme.name``, the scheme's own keys (``scheme.*``) that differ between
       its runs, then every other key with more than one value across all records (not seeds, evaluation
       or bookkeeping keys: :data:`IGNORED`);
-    * the settings held fixed: keys with exactly one value (not the seed, the scheme or the evaluation
-      settings of the table titles; null and [] left out);
+    * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or
+      the evaluation settings of the table titles; null and [] left out);
     * the keys that differ but label no row (bookkeeping, ``eval.batch_tokens``), with their values;
-    * per scheme, its ``scheme.*`` values that differ only between schemes.
+    * per scheme, its ``scheme.*`` values that differ only between schemes, or that only some schemes have.
+
+    A scheme's options are keys of the records of that scheme only: a key's values are those of the records
+    that have it.
     """
-    flats = [_flat(r["config"]) for r in records]  # upgraded configs: every flat has every schema key
+    flats = [_flat(r["config"]) for r in records]  # upgraded configs: every key of the schema and of the scheme
     keys = sorted(set().union(*flats))
-    values = {k: sorted({f.get(k, "null") for f in flats}) for k in keys}
+    values = {k: sorted({f[k] for f in flats if k in f}) for k in keys}
     by_scheme = defaultdict(list)
     for f in flats:
         by_scheme[json.loads(f["scheme.name"])].append(f)
@@ -221,11 +225,13 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
            for name, group in by_scheme.items()}
     labels = {name: ["scheme.name", *own[name], *common] for name in by_scheme}
-    fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k not in ("seed", "scheme.name", *TITLE_KEYS)
-             and v[0] not in ("null", "[]")}
+    everywhere = {k for k in keys if all(k in f for f in flats)}  # not an option of some schemes only
+    fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k in everywhere
+             and k not in ("seed", "scheme.name", *TITLE_KEYS) and v[0] not in ("null", "[]")}
     varying = {k: v for k, v in values.items() if len(v) > 1 and k.startswith(IGNORED) and k not in ("seed", *TITLE_KEYS)}
-    per_scheme = {name: {k: group[0][k] for k in keys if k.startswith("scheme.") and k != "scheme.name"
-                         and len(values[k]) > 1 and k not in own[name]} for name, group in by_scheme.items()}
+    per_scheme = {name: {k: group[0][k] for k in keys if k.startswith("scheme.") and k != "scheme.name" and k in group[0]
+                         and (len(values[k]) > 1 or k not in everywhere) and k not in own[name]}
+                  for name, group in by_scheme.items()}
     return labels, fixed, varying, {name: v for name, v in per_scheme.items() if v}
 
 

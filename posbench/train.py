@@ -182,7 +182,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     dist.barrier()
     corpus = corpus or check_data(cfg)
 
-    model = checkpoint.build_model(config, corpus.vocab_size).to(device)
+    model = checkpoint.build_model(checkpoint.model_spec(config, corpus.vocab_size)).to(device)
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
     step0, seen, wall0 = 0, 0, 0.0
     state = resume_state(cfg, out_dir)

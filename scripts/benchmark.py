@@ -82,9 +82,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def make_model(args, scheme: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = {"model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model},
-              "scheme": {"name": scheme, "max_positions": max(*args.lengths, args.seq_len)}}
-    return build_model(config, args.vocab).to(args.device)
+    spec = {"vocab_size": args.vocab, "scheme": {"name": scheme},
+            "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model}}
+    if scheme == "learned":  # a table row for every evaluation position
+        spec["scheme"]["max_positions"] = max(*args.lengths, args.seq_len)
+    return build_model(spec).to(args.device)
 
 
 def has_bias(scheme: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook

@@ -38,8 +38,8 @@ class LinearBias(PositionalScheme):
     has_bias = True
     key_only_bias = True
 
-    def __init__(self, d_model, n_head, base=10000.0, max_positions=None):
-        super().__init__(d_model, n_head)
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
         self.w = nn.Parameter(torch.linspace(0.05, 0.6, n_head))
 
     def score_mod(self, score, h, q_pos, k_pos):
@@ -57,7 +57,7 @@ def make_scheme(name: str) -> PositionalScheme:
         return LinearBias(H * DH, H)
     if name == "toy-dense":
         return LinearBiasDense(H * DH, H)
-    return build_scheme(name, H * DH, H, max_positions=1 << 17)
+    return build_scheme(name, H * DH, H, **({"max_positions": 1 << 17} if name == "learned" else {}))
 
 
 # ---- the float64 reference, from the papers' formulas ----------------------------------------------------
@@ -338,9 +338,8 @@ def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatc
 def test_positions_are_prepared_once_per_forward(name, monkeypatch):
     """RoPE's tables and ALiBi's bias are computed once per forward pass, not in every layer."""
     torch.manual_seed(0)
-    config = {"model": {"n_layer": 3, "n_head": H, "d_model": H * DH, "d_ff": 64},
-              "scheme": {"name": name, "max_positions": 128}}
-    model = build_model(config, 61).eval()
+    spec = {"vocab_size": 61, "model": {"n_layer": 3, "n_head": H, "d_model": H * DH, "d_ff": 64}, "scheme": {"name": name}}
+    model = build_model(spec).eval()
     calls = {"rotation": 0, "score_mod": 0}
     for hook in calls:
         real = getattr(model.scheme, hook)

@@ -95,6 +95,8 @@ BAD = {
     "negative-seq-len": (["train.seq_len=-8"], lambda m: "train.seq_len=-8" in m and "positive" in m),
     "empty-lengths": (["eval.lengths=[]"], lambda m: "eval.lengths" in m and "empty" in m),
     "length-below-2": (["eval.lengths=[1,32]"], lambda m: re.search(r"\b1\b", m) and "eval.lengths" in m and ">= 2" in m),
+    "option-the-scheme-lacks": (["scheme=rope", "scheme.max_positions=64"],
+                                lambda m: "scheme.max_positions" in m and "rope" in m and "base" in m),
     "learned-table-too-small": (["scheme=learned", "scheme.max_positions=64", "eval.lengths=[32,64,128]"],
                                 lambda m: "max_positions=64" in m and "128" in m),
     "heads-do-not-divide": (["model.n_head=3"], lambda m: "model.n_head=3" in m and "d_model=128" in m),
@@ -156,11 +158,11 @@ def test_bad_input_creates_no_run_folder(kind, run_cli, data_cache, text_data, t
 
 
 def test_sweep_with_one_bad_job_starts_nothing(run_cli, data_cache, tmp_path):
-    """-m: every job is checked before the first starts (the learned job's table is too small)."""
+    """-m: every job is checked before the first starts (the learned job's table, 16·L = 512 rows, is too small)."""
     sweep = tmp_path / "sweep"
-    proc = run_cli("train", "-m", "debug=fast", "scheme=rope,learned", "scheme.max_positions=32",
+    proc = run_cli("train", "-m", "debug=fast", "scheme=rope,learned", "eval.lengths=[32,1024]",
                    f"hydra.sweep.dir={sweep}", f"data.cache_dir={data_cache}")
-    assert proc.returncode == 2 and "max_positions=32" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "scheme.max_positions=512" in proc.stderr and "1024" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not sweep.exists()
 

@@ -19,8 +19,10 @@ GROUPS = ("scheme", "model", "data", "experiment", "debug")
 
 
 def options(group: str) -> list[str]:
-    """The option names of a config group, read from the installed package (as Hydra reads them)."""
-    return sorted(p.name[: -len(".yaml")] for p in (files(CONFIG_MODULE) / group).iterdir() if p.name.endswith(".yaml"))
+    """The option names of a config group: the files of the installed package and, for ``scheme``, the
+    registered schemes (``register`` stores one schema per scheme in Hydra's ConfigStore)."""
+    found = {p.name[: -len(".yaml")] for p in (files(CONFIG_MODULE) / group).iterdir() if p.name.endswith(".yaml")}
+    return sorted(found | (set(SCHEMES) if group == "scheme" else set()))
 
 
 ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
@@ -40,9 +42,11 @@ def text_files(tmp_path):
     return [f"data.train_files=[{tmp_path / 'train.txt'}]", f"data.validation_files=[{tmp_path / 'valid.txt'}]"]
 
 
-def test_every_group_has_its_options():
-    assert {"sinusoidal", "learned", "rope", "alibi"} <= set(options("scheme"))
-    assert set(options("scheme")) <= set(SCHEMES)  # a scheme config names a registered scheme
+def test_every_group_has_its_options(hydra_ctx):
+    from hydra.core.global_hydra import GlobalHydra
+
+    listed = GlobalHydra.instance().config_loader().get_group_options("scheme")
+    assert set(listed) == set(options("scheme")) == set(SCHEMES) | {"learned_16k"}  # what `scheme=` accepts
     assert {"tiny", "small", "base"} <= set(options("model"))
     assert {"shakespeare", "text"} <= set(options("data"))
     assert "fast" in options("debug") and "demo" in options("experiment")
@@ -57,7 +61,7 @@ def test_config_option_composes_and_finalizes(group, option, hydra_ctx, text_fil
     finalize(cfg, SCHEMES)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     if group in ("scheme", "data"):
-        assert cfg[group].name == option  # the file's name field matches its option name
+        assert cfg[group].name == option.removesuffix("_16k")  # the option's name field matches its option name
     if group == "model":
         assert cfg.model.name == option
         assert cfg.model.d_model % cfg.model.n_head == 0
@@ -81,7 +85,35 @@ def test_every_job_of_an_experiment_sweep_finalizes(experiment, hydra_ctx):
 @pytest.mark.parametrize("scheme", options("scheme"))
 def test_debug_fast_with_every_scheme(scheme, hydra_ctx):
     cfg = finalize(compose("train", overrides=["debug=fast", f"scheme={scheme}"]), SCHEMES)
-    assert cfg.train.seq_len == 32 and cfg.scheme.name == scheme
+    assert cfg.train.seq_len == 32 and cfg.scheme.name == scheme.removesuffix("_16k")
+
+
+def test_learned_16k_is_the_learned_scheme_with_16k_rows(hydra_ctx):
+    cfg = finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned_16k"]), SCHEMES)
+    assert OmegaConf.to_container(cfg.scheme) == {"name": "learned", "max_positions": 16384}
+    with pytest.raises(ConfigError, match="scheme.max_positions=8192: .* cannot serve length 16384"):
+        finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned"]), SCHEMES)  # 16·L = 8192
+
+
+@pytest.mark.parametrize("scheme, expected", [
+    ("rope", {"name": "rope", "base": 10000.0}), ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
+    ("learned", {"name": "learned", "max_positions": 16 * 128}), ("alibi", {"name": "alibi"}), ("nope", {"name": "nope"}),
+])
+def test_a_scheme_section_has_the_scheme_s_own_keys_only(scheme, expected, hydra_ctx):
+    cfg = finalize(compose("train", overrides=[f"scheme={scheme}"]), SCHEMES)
+    assert OmegaConf.to_container(cfg.scheme) == expected
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["scheme=rope", "scheme.max_positions=64"], ["scheme.max_positions"]),
+    (["scheme=alibi", "scheme.base=500"], ["scheme.base"]),
+    (["scheme=rope", "scheme.base=abc"], ["scheme.base", "abc"]),
+])
+def test_a_scheme_option_it_lacks_is_refused_at_composition(overrides, words, hydra_ctx):
+    with pytest.raises(Exception) as info:
+        compose("train", overrides=overrides)
+    message = str(info.value) + str(info.value.__cause__)
+    assert all(w in message for w in words), message
 
 
 @pytest.mark.parametrize("launcher, target", [("joblib", "joblib"), ("slurm", "submitit")])
@@ -119,6 +151,10 @@ def test_derived_defaults(hydra_ctx):
     (["eval.protocol=diagonal"], ["eval.protocol", "nonoverlapping", "sliding"]),
     (["eval.split=train"], ["eval.split"]),
     (["scheme.name=xpos"], ["xpos", "alibi", "rope"]),
+    (["+scheme.bsae=500"], ["scheme.bsae=500", "base"]),
+    (["scheme=learned", "scheme.max_positions=0"], ["scheme.max_positions=0"]),
+    (["scheme.base=0"], ["scheme.base=0", "> 0"]),
+    (["scheme=sinusoidal", "scheme.base=-2"], ["scheme.base=-2", "> 0"]),
     (["+train.seqlen=3"], ["unknown config key", "train.seqlen"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and "=" in v[0] else None)
 def test_finalize_rejects(overrides, words, hydra_ctx):

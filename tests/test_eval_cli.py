@@ -225,9 +225,9 @@ def test_bad_eval_input_message_says_what_is_wrong(bad_runs, case, words):
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    config = {"model": {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0},
-              "scheme": {"name": "rope", "base": 10000.0, "max_positions": None}}
-    model = build_model(config, vocab_size=50).eval()
+    spec = {"vocab_size": 50, "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0},
+            "scheme": {"name": "rope", "base": 10000.0}}
+    model = build_model(spec).eval()
     tokens = np.random.default_rng(0).integers(0, 50, 301).astype(np.uint16)
     return model, tokens
 

@@ -117,10 +117,9 @@ VOCAB = 47
 
 def tiny_model(name):
     torch.manual_seed(0)
-    config = {"model": {"name": "t", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0,
-                        "scale_embeddings": True},
-              "scheme": {"name": name, "base": 10000.0, "max_positions": 64}}
-    model = build_model(config, VOCAB)
+    spec = {"vocab_size": VOCAB, "scheme": {"name": name, **({"max_positions": 64} if name == "learned" else {})},
+            "model": {"n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "dropout": 0.0, "scale_embeddings": True}}
+    model = build_model(spec)
     for p in model.parameters():  # a sharper random model: per-token losses differ visibly
         torch.nn.init.normal_(p, std=0.5)
     return model

@@ -71,7 +71,7 @@ def test_installed_copy_is_imported(installed):
         assert env_dir.resolve() in path.parents, f"{path} is not inside the venv {env_dir}"
         assert REPO not in path.parents, f"{path} comes from the source tree"
     conf = Path(proc.stdout.split()[1]).parent
-    assert (conf / "train.yaml").is_file() and (conf / "scheme" / "alibi.yaml").is_file()
+    assert (conf / "train.yaml").is_file() and (conf / "scheme" / "learned_16k.yaml").is_file()
 
 
 @pytest.mark.install

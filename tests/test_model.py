@@ -23,10 +23,10 @@ ALL = sorted(SCHEMES)
 
 def tiny_gpt(name: str, n_layer=2, n_head=2, d_model=32, max_positions=8 * L, seed=0) -> GPT:
     torch.manual_seed(seed)
-    config = {"model": {"name": "t", "n_layer": n_layer, "n_head": n_head, "d_model": d_model, "d_ff": 2 * d_model,
-                        "dropout": 0.0},
-              "scheme": {"name": name, "base": 10000.0, "max_positions": max_positions}}
-    return build_model(config, VOCAB).eval()
+    spec = {"vocab_size": VOCAB, "scheme": {"name": name},
+            "model": {"n_layer": n_layer, "n_head": n_head, "d_model": d_model, "d_ff": 2 * d_model, "dropout": 0.0}}
+    table = {"scheme": {"max_positions": max_positions}} if name == "learned" else {}
+    return build_model(spec, table).eval()
 
 
 # ---- causality ------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def naive_attention(attn: Attention, scheme, x: torch.Tensor, pos: torch.Tensor)
 
 def make_attention(name, d_model=32, n_head=4, seed=0):
     torch.manual_seed(seed)
-    scheme = build_scheme(name, d_model, n_head, max_positions=256)
+    scheme = build_scheme(name, d_model, n_head, **({"max_positions": 256} if name == "learned" else {}))
     attn = Attention(d_model, n_head, scheme).eval()
     for p in attn.parameters():  # larger weights than GPT's init: sharper attention, a stronger test
         torch.nn.init.normal_(p, std=0.3)

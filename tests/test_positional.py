@@ -237,7 +237,7 @@ def test_registry_has_the_four_schemes_and_nope():
     assert {"sinusoidal", "learned", "rope", "alibi"} <= set(SCHEMES)
     for name, cls in SCHEMES.items():
         assert issubclass(cls, PositionalScheme), name
-        scheme = build_scheme(name, 16, 2, max_positions=64)
+        scheme = build_scheme(name, 16, 2, **({"max_positions": 64} if name == "learned" else {}))
         assert isinstance(scheme, cls)
         # exactly one hook is non-trivial per scheme (docs/design.md §3): at most one, for every scheme
         x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
@@ -265,8 +265,8 @@ def test_build_scheme_unknown_name_lists_choices():
 
 def test_learned_table_needs_rows():
     with pytest.raises(ValueError):
-        Learned(16, 2, max_positions=None)
-    table = Learned(16, 2, max_positions=10)
+        Learned(16, 2)  # max_positions None: unresolved
+    table = Learned(16, 2, Learned.Config(max_positions=10))
     rows = table.embed(torch.zeros(1, 10, 16), torch.arange(10))[0]  # (10, 16)
     assert rows.shape == (10, 16) and rows.abs().sum() > 0
     again = table.embed(torch.zeros(1, 3, 16), torch.tensor([9, 0, 4]))[0]

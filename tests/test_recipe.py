@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from posbench.checkpoint import build_model
+from posbench.checkpoint import build_model, model_spec
 from posbench.config import PosbenchConfig, finalize
 from posbench.positional import SCHEMES, build_scheme
 
@@ -29,7 +29,7 @@ L = 16  # train length of the configs below; the learned table gets its default 
 def config(name: str, d_model: int = 32, scale_embeddings: bool | None = None) -> dict:
     """A resolved config (plain dict) as ``posbench train`` records it: the schema's defaults, a small model."""
     cfg = OmegaConf.structured(PosbenchConfig)
-    cfg.scheme.name = name
+    cfg.scheme = {"name": name}
     cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.d_ff = 2, 2, d_model, 2 * d_model
     cfg.train.seq_len = L
     if scale_embeddings is not None:
@@ -39,7 +39,7 @@ def config(name: str, d_model: int = 32, scale_embeddings: bool | None = None) -
 
 def built(name: str, seed: int = 0, **options) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return build_model(config(name, **options), VOCAB).eval()
+    return build_model(model_spec(config(name, **options), VOCAB)).eval()
 
 
 def scheme_params(model) -> dict[str, torch.Tensor]:
@@ -56,10 +56,10 @@ def other_params(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", ALL)
 def test_non_positional_parameters_are_bit_identical_to_nope(name):
     torch.manual_seed(0)
-    nope = build_model(config("nope"), VOCAB)
+    nope = build_model(model_spec(config("nope"), VOCAB))
     after_nope = torch.get_rng_state()
     torch.manual_seed(0)
-    model = build_model(config(name), VOCAB)
+    model = build_model(model_spec(config(name), VOCAB))
     after = torch.get_rng_state()
     expected, got = other_params(nope), other_params(model)
     assert list(got) == list(expected), f"{name}: other parameter names than nope's"

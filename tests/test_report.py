@@ -56,7 +56,7 @@ def table_rows(text: str) -> list[str]:
 
 
 def config(scheme: str, seed: int, seq_len: int = 32, n_layer: int = 2, **eval_settings) -> dict:
-    return {"scheme": {"name": scheme, "base": 10000.0, "max_positions": None},
+    return {"scheme": {"name": scheme, **({"base": 10000.0} if scheme in ("rope", "sinusoidal") else {})},
             "model": {"name": "tiny", "n_layer": n_layer, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.0},
             "data": {"name": "shakespeare", "vocab_size": 512, "cache_dir": None},
             "train": {"seq_len": seq_len, "batch_size": 4, "steps": 10, "lr": 0.002},
@@ -198,6 +198,8 @@ def test_report_writes_table_csv_plots_and_names_skipped_runs(sweep, tmp_path):
                        ("data.name", '"shakespeare"'), ("train.steps", "10")]:
         assert f"`{key}` = {value}" in fixed, fixed
     assert "scheme.name" not in fixed and "`seed`" not in fixed
+    assert "scheme.base" not in fixed.split("## Scheme settings")[0], fixed  # an option of rope only: stated beside rope, not as a global setting
+    assert "rope: `scheme.base` = 10000.0" in md.split("## Scheme settings")[1], md
     skipped = md.split("## Skipped")[1]
     lines = {name: next((l for l in skipped.splitlines() if name in l), "") for name in
              ("6_rope_seed3", "7_alibi_seed3", "8_rope_seed4")}
@@ -306,6 +308,26 @@ def test_a_scheme_key_labels_the_rows_of_its_scheme(tmp_path):
     write_run(root / "alibi", config("alibi", 0))
     table_text, _, _ = report.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "rope, scheme.base=500.0", "rope, scheme.base=10000.0"], table_text
+
+
+def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path):
+    """Format 2 recorded base and max_positions for every scheme; each scheme keeps only its own and labels
+    no row with the others, and a scheme's own key is shown as a setting of that scheme."""
+    root = tmp_path / "runs"
+    for scheme, table in (("learned", 512), ("rope", None)):
+        old = config(scheme, 0)
+        old["scheme"] = {"name": scheme, "base": 10000.0, "max_positions": table}
+        run = write_run(root / f"{scheme}-old", old)
+        rec = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**rec, "format": 2}))
+    write_run(root / "alibi", config("alibi", 0))  # format 3: no base, no max_positions
+    records, skipped = report.collect([root])
+    assert not skipped and [r["config"]["scheme"] for r in records] == [
+        {"name": "alibi"}, {"name": "learned", "max_positions": 512}, {"name": "rope", "base": 10000.0}]
+    table_text, _, _ = report.write_report([root], root)
+    assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
+    md = (root / "report.md").read_text()
+    assert "`scheme.max_positions` = 512" in md and "`scheme.base` = 10000.0" in md, md
 
 
 def test_each_evaluation_setting_is_its_own_table_never_one_cell(tmp_path):

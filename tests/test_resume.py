@@ -394,8 +394,8 @@ def _poison_at(monkeypatch, call: int, where: str) -> None:
     """Make the ``call``-th training forward pass give NaN logits (``loss``) or an infinite gradient."""
     real = checkpoint.build_model
 
-    def build_model(config, vocab_size):
-        model = real(config, vocab_size)
+    def build_model(spec, overrides=None):
+        model = real(spec, overrides)
         calls = [0]
 
         def hook(module, inputs, out):
