@@ -19,7 +19,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from posbench.dist import all_reduce_sum
 
@@ -125,8 +124,7 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                 chunk = group[b: b + per_batch]
                 x = torch.stack([stream[wins[i][0]: wins[i][0] + size] for i in chunk]).to(device)  # (B, T)
                 y = torch.stack([stream[wins[i][0] + 1: wins[i][0] + size + 1] for i in chunk]).to(device)  # (B, T)
-                logits = model(x).float()  # (B, T, V)
-                nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B, T)
+                nll = model(x, targets=y)  # (B, T), nats
                 scored = torch.arange(size, device=device)[None, :] >= torch.tensor([wins[i][2] for i in chunk], device=device)[:, None]
                 masked = (nll * scored).double().cpu()  # (B, T)
                 pos_sum[:size] += masked.sum(0)

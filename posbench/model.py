@@ -14,6 +14,11 @@ device (FlexAttention on CUDA; ALiBi folded into SDPA on CPU) that never materia
     scheme = build_scheme("alibi", d_model=128, n_head=4)
     model = GPT(vocab_size=4096, n_layer=4, n_head=4, d_model=128, d_ff=512, scheme=scheme)
     logits = model(idx)  # idx: (B, T) int64 → (B, T, V)
+    nll = model(idx, targets=targets)  # targets: (B, T) int64 → (B, T) NLL of each target, in nats
+
+Given targets, the model returns each target's NLL instead of logits; on CPU :class:`HeadNLL` computes the
+head's logits, their log-sum-exp and the loss gradient chunk by chunk while each chunk is in cache, which
+takes about a third less time than logits + ``cross_entropy`` for model=tiny's head and loss.
 """
 
 from __future__ import annotations
@@ -25,6 +30,42 @@ from torch import nn
 
 from posbench import attention
 from posbench.positional import PositionalScheme
+
+
+class HeadNLL(torch.autograd.Function):
+    """Per-token negative log-likelihood under softmax(h·Wᵀ): the tied head and the loss in one op.
+
+    forward(h: (N, D) float32, weight: (V, D) float32, targets: (N,) int64, rows: int, need_grad: bool) → (N,)
+    NLL in nats, equal to ``cross_entropy(h @ weight.T, targets, reduction="none")``. For every chunk of
+    ``rows`` rows it computes the logits z and NLL_n = logsumexp_v(z_nv) − z_n,y_n; with ``need_grad`` it also
+    turns the chunk, while it is in cache, into the gradient ∂NLL_n/∂z_nv = softmax(z_n)_v − [v = y_n] (the
+    softmax cross-entropy gradient), kept in one (N, V) buffer. Backward then needs two matmuls; the incoming
+    per-token gradient g scales the small (N, D) operands, never the (N, V) buffer. The buffer is the size of the
+    logits it replaces, so training memory is unchanged; without ``need_grad`` (evaluation) only one chunk of
+    logits exists at a time, in one reused buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows, need_grad):
+        n = h.shape[0]
+        grad = torch.empty(n if need_grad else min(n, rows), weight.shape[0], dtype=h.dtype, device=h.device)  # (N or c, V)
+        nll = torch.empty(n, dtype=h.dtype, device=h.device)  # (N,)
+        for s in range(0, n, rows):
+            y = targets[s:s + rows, None]  # (c, 1)
+            z = torch.mm(h[s:s + rows], weight.t(), out=grad[s:s + rows] if need_grad else grad[: len(y)])  # (c, V) logits
+            z_y, top = z.gather(1, y), z.amax(dim=1, keepdim=True)  # (c, 1) each
+            total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # (c, 1): Σ_v exp(z_v − max)
+            nll[s:s + rows] = (top + total.log() - z_y).squeeze(1)  # log-sum-exp − z_y
+            if need_grad:
+                z.mul_(total.reciprocal()).scatter_add_(1, y, torch.full_like(total, -1.0))  # softmax − one-hot
+        ctx.save_for_backward(h, weight, grad)
+        return nll
+
+    @staticmethod
+    def backward(ctx, g):  # g: (N,)
+        h, weight, grad = ctx.saved_tensors
+        g = g[:, None]  # (N, 1)
+        return (grad @ weight) * g, grad.t() @ (h * g), None, None, None  # ∂/∂h (N, D), ∂/∂W (V, D)
 
 
 class Attention(nn.Module):
@@ -100,8 +141,10 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V)."""
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V), or, given
+        targets (B, T) int64, each target's NLL in nats (B, T) float32 (from float32 logits whatever autocast
+        does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor)."""
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.scheme.embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
@@ -109,4 +152,13 @@ class GPT(nn.Module):
         ctx = attention.context(self.scheme, pos, self.n_head, x.dtype, self.dropout if self.training else 0.0)
         for block in self.blocks:
             x = block(x, ctx)
-        return self.head(self.ln_f(x))  # (B, T, V)
+        x = self.ln_f(x)  # (B, T, D)
+        if targets is None:
+            return self.head(x)  # (B, T, V)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            rows = max(1, 2**20 // self.head.weight.shape[0])  # a chunk of logits: 4 MiB of float32
+            need_grad = torch.is_grad_enabled() and (x.requires_grad or self.head.weight.requires_grad)
+            nll = HeadNLL.apply(x.flatten(0, 1), self.head.weight, targets.flatten(), rows, need_grad)  # (B·T,)
+        else:
+            nll = nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), targets.flatten(), reduction="none")
+        return nll.view(targets.shape)  # (B, T)

@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import posbench
 from posbench.checkpoint import build_model
@@ -134,6 +133,7 @@ def train(args) -> tuple[dict, list, float]:
 
     if args.device == "cpu":
         torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU
+        torch.utils.deterministic.fill_uninitialized_memory = False
     t = OmegaConf.structured(TrainConfig(seq_len=args.seq_len, batch_size=args.batch))
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(args.device)
     steps = {}
@@ -144,8 +144,7 @@ def train(args) -> tuple[dict, list, float]:
 
         def step(model=model, opt=opt, fwd=fwd):
             with autocast(args):
-                logits = fwd(x[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+                loss = fwd(x[:, :-1], targets=x[:, 1:]).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -170,27 +169,28 @@ def hwm() -> int:
 
 
 def eval_case(args, scheme: str, n: int) -> dict:
-    """Median seconds of a no-grad forward of (1, n) tokens, its median ratio to nope's timed in turn with it,
-    and the peak memory growth of the first one."""
+    """Median seconds of a no-grad forward scoring n tokens (what ``posbench.evaluate`` runs: per-token NLL, no
+    logits kept), its median ratio to nope's timed in turn with it, and the peak memory growth of the first one."""
     model = make_model(args, scheme).eval()
-    idx = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(args.device)
+    idx = torch.randint(0, args.vocab, (1, n + 1), generator=torch.Generator().manual_seed(n)).to(args.device)
+    x, y = idx[:, :-1], idx[:, 1:]  # (1, n) each
     cuda = args.device == "cuda"
     with torch.no_grad(), autocast(args):
-        model(idx[:, :2])  # one-time costs (thread pools, kernel set-up, lazy imports: ~14 MB on CPU) go first
+        model(x[:, :2], targets=y[:, :2])  # one-time costs (thread pools, kernel set-up, lazy imports: ~14 MB on CPU) go first
         sync(args)
         torch.cuda.reset_peak_memory_stats() if cuda else None
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current RSS (Linux ≥ 4.0)
         before = torch.cuda.memory_allocated() if cuda else hwm()
-        model(idx)
+        model(x, targets=y)
         sync(args)
         growth = (torch.cuda.max_memory_allocated() if cuda else hwm()) - before
         base = None if scheme == BASELINE else make_model(args, BASELINE).eval()
-        base(idx) if base else None  # untimed, as the scheme's
+        base(x, targets=y) if base else None  # untimed, as the scheme's
         own, ref = [], []  # the scheme's and nope's forwards alternate, so both see the same machine
         while len(own) < args.repeats or sum(own) + sum(ref) < MIN_EVAL_SECONDS and len(own) < 100:
-            own.append(timed(args, lambda: model(idx)))
-            ref.append(timed(args, lambda: base(idx)) if base else own[-1])
+            own.append(timed(args, lambda: model(x, targets=y)))
+            ref.append(timed(args, lambda: base(x, targets=y)) if base else own[-1])
     return {"seconds": statistics.median(own), "seconds_all": own, "nope_seconds": statistics.median(ref),
             "time_x_nope": statistics.median(a / b for a, b in zip(own, ref)), "peak_growth_bytes": max(0, growth),
             "source": source_digest()}
