@@ -17,6 +17,10 @@ defaults filled by ``Config.resolve(seq_len, longest)``); the configuration syst
 Build a scheme by name: ``build_scheme("rope", d_model=128, n_head=4, base=500.0)``. To add one, subclass
 :class:`PositionalScheme` (with a ``Config`` if it has options), override one hook and add the class to
 :data:`SCHEMES`; ``scheme=<name> scheme.<option>=<value>`` then works on the command line.
+
+This module holds the interface, the registry, the absolute schemes (sinusoidal, learned) and ALiBi; the
+rotary family is in posbench/rotary.py and the relative-bias family in posbench/relative.py, which add their
+schemes to :data:`SCHEMES` when ``posbench`` is imported.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ class Sinusoidal(PositionalScheme):
         base: float = 10000.0
 
         def resolve(self, seq_len: int, longest: int) -> None:
-            _check_base(self.base)
+            check_base(self.base)
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
@@ -187,46 +191,6 @@ class Learned(PositionalScheme):
         return x + self.table(pos).to(x.dtype)  # (B, T, D)
 
 
-class RoPE(PositionalScheme):
-    """Rotary position embedding, Su et al. 2021 ("RoFormer"), eq. (34).
-
-    Dimension pair i of each query and key head is rotated by angle p·θ_i, θ_i = base^(−2i/Dh), so the
-    score q_m·k_n depends on positions only through m − n. Pairs are (i, i + Dh/2) ("rotate half", as in
-    GPT-NeoX), a fixed permutation of the paper's adjacent pairs that leaves every score unchanged.
-    """
-
-    @dataclasses.dataclass
-    class Config(PositionalScheme.Config):
-        """base: θ of the frequencies θ_i = base^(−2i/Dh) (RoFormer uses 10000); must be > 0."""
-
-        base: float = 10000.0
-
-        def resolve(self, seq_len: int, longest: int) -> None:
-            _check_base(self.base)
-
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
-        head_dim = d_model // n_head
-        inv_freq = self.config.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (Dh/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def rotation(self, pos, dtype):
-        """pos: (T,) → (cos, sin), each (T, Dh) in ``dtype``: angles p·θ_i computed in float64, the sine's
-        first half negated so that :meth:`rotate` needs no negation."""
-        angles = pos.to(torch.float64)[:, None] * self.inv_freq  # (T, Dh/2)
-        sin = angles.sin()
-        return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # 2 × (T, Dh)
-
-    def rotate(self, q, k, rotation):
-        cos, sin = (t.to(q.dtype) for t in rotation)  # (T, Dh); a no-op cast unless autocast changed q's dtype
-
-        def turn(x):  # x: (B, H, T, Dh) → x·cos + (x2, x1)·(−sin, sin), i.e. pair (x1, x2) turned by the angle
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-        return turn(q), turn(k)
-
-
 def alibi_slopes(n_head: int) -> list[float]:
     """ALiBi head slopes, Press et al. 2022 ("Train Short, Test Long"), §3 and the paper's ``get_slopes``.
 
@@ -268,12 +232,12 @@ SCHEMES: dict[str, type[PositionalScheme]] = {
     "nope": PositionalScheme,
     "sinusoidal": Sinusoidal,
     "learned": Learned,
-    "rope": RoPE,
     "alibi": ALiBi,
 }
 
 
-def _check_base(base) -> None:
+def check_base(base) -> None:
+    """Raise ValueError (``base=<value>: ...``) unless ``base``, a wavelength base, is a number > 0."""
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
         raise ValueError(f"base={base!r}: the wavelength base must be a number > 0")
 

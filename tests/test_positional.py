@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.positional import (SCHEMES, ALiBi, Learned, PositionalScheme, RoPE, Sinusoidal, alibi_slopes,
+from posbench.rotary import RoPE
+from posbench.positional import (SCHEMES, ALiBi, Learned, PositionalScheme, Sinusoidal, alibi_slopes,
                                  build_scheme)
 
 # ---- sinusoidal -----------------------------------------------------------------------------------
