@@ -211,12 +211,13 @@ def read(path: Path, device="cpu") -> dict:
     return state
 
 
-def model_from(state: dict, device="cpu") -> GPT:
+def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:
     """The trained model a checkpoint dict (from :func:`read`) describes, on ``device``, in eval mode: built from
-    its ``spec`` (format 3), or from the spec of its (upgraded) config (formats 1 and 2).
+    its ``spec`` (format 3), or from the spec of its (upgraded) config (formats 1 and 2), with ``overrides``
+    merged over it as :func:`build_model` does (``posbench eval``'s ``{"scheme": {"scaling": "yarn", ...}}``).
 
     Raises RuntimeError when the weights do not fit the model (``load_state_dict``)."""
     spec = state.get("spec") or model_spec(state["config"], state["vocab_size"])
-    model = build_model(spec).to(device)
+    model = build_model(spec, overrides).to(device)
     model.load_state_dict(state["model"])
     return model.eval()

@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from posbench.config import ConfigError, eval_config, finalize, register, scheme_of  # noqa: E402
+from posbench.config import ConfigError, eval_config, eval_schema, finalize, register, scheme_of  # noqa: E402
 from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402
@@ -69,6 +69,10 @@ def _one_line(err: Exception) -> str:
     text = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
         scheme = scheme_of(getattr(err, "object_type", None))
+        if getattr(err, "object_type", None) is eval_schema().__dataclass_fields__["scheme"].type:
+            what = "cannot change the run's scheme" if key == "scheme.name" else "knows no scheme with that option"
+            return (f"{key}: posbench eval {what}; it takes options of the run's scheme only "
+                    f"(see them with: posbench train scheme=<name> --cfg job)")
         if scheme is not None:
             options = [f.name for f in dataclasses.fields(SCHEMES[scheme].Config)]
             return f"{key} is not an option of the {scheme} scheme; its options: {', '.join(options) or 'none'}"
@@ -197,7 +201,9 @@ def _eval(job: DictConfig) -> None:
             fail(str(e))
         w = cfg.wandb
         tracker = Tracker(w.enabled and dist.rank() == 0, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
-                          name=f"{rec['scheme']} {rec['protocol']} {rec['split']}", tags=list(w.tags))
+                          name=" ".join([rec["scheme"], *(f"{k}={v}" for k, v in rec.get("scheme_overrides", {}).items()),
+                                         rec["protocol"], rec["split"]]),
+                          tags=list(w.tags))
         tracker.log_eval(rec["results"])
         tracker.finish()
 

@@ -146,20 +146,26 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
 
 def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -> dict:
     """``posbench eval``: score the checkpoint ``state`` of ``run_dir`` with ``cfg.eval``; return the record
-    written to a new ``eval-<protocol>-<split>-<n>.json`` (earlier results are never overwritten)."""
+    written to a new ``eval-<protocol>-<split>-<n>.json`` (earlier results are never overwritten).
+
+    The model is the checkpoint's spec with the scheme options of ``cfg`` that differ from it
+    (``posbench.config.eval_overrides``, e.g. ``scheme.scaling=yarn``); the record's config holds them, and
+    ``scheme_overrides`` lists them (absent when the model is the trained one as it was)."""
     from pathlib import Path
 
     from posbench import checkpoint, data, dist, report
-    from posbench.config import to_dict
+    from posbench.config import eval_overrides, to_dict
 
     run_dir, e = Path(run_dir), cfg.eval
     corpus = data.prepare(**state["config"]["data"])  # the same cache key: reused, or rebuilt if deleted
-    model = checkpoint.model_from(state, device)
+    overrides = eval_overrides(cfg, state)
+    extra = {"scheme_overrides": overrides["scheme"]} if overrides else {}
+    model = checkpoint.model_from(state, device, overrides)
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
                         train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
-                        scored_split=corpus.same_as.get(e.split, e.split))
+                        scored_split=corpus.same_as.get(e.split, e.split), **extra)
     if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
         path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
         print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)

@@ -29,6 +29,9 @@ from posbench.positional import SCHEMES, PositionalScheme, build_scheme
 
 L = 16
 H, DH = 4, 8
+# the schemes whose bias this file's reference writes out; posbench/relative.py's are checked against their papers'
+# formulas, through every kernel, in tests/test_relative.py
+OWN = sorted({"nope", "sinusoidal", "learned", "rope", "alibi"} & set(SCHEMES))
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
@@ -83,12 +86,24 @@ def paper_rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> tor
     return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), dim=-1)
 
 
+def paper_xpos(x: torch.Tensor, pos: torch.Tensor, query: bool, gamma: float = 0.4, scale_base: float = 512.0):
+    """xPos (Sun et al. 2022): RoPE's turn, then pair i scaled by ζ_i^(±(p − c)/scale_base), ζ_i = (i/(Dh/2) + γ)/(1 + γ),
+    + for queries, − for keys, c the middle of the positions (a score depends on n − m only)."""
+    half = x.shape[-1] // 2
+    zeta = (torch.arange(half, dtype=torch.float64) / half + gamma) / (1 + gamma)
+    p = pos.double()
+    scale = zeta ** ((p - (p.min() + p.max()) / 2)[:, None] / scale_base * (1 if query else -1))  # (T, Dh/2)
+    return paper_rope(x, pos) * torch.cat((scale, scale), dim=-1)
+
+
 def reference(name, scheme, q, k, v, pos, rows=None):
     """softmax(q·kᵀ/√Dh + bias, keys after the query masked by index) · v in float64 → (B, H, R, Dh), for the
     query indices ``rows`` (all by default)."""
     q, k, v = q.double(), k.double(), v.double()
     if name == "rope":
         q, k = paper_rope(q, pos), paper_rope(k, pos)
+    elif name == "xpos":
+        q, k = paper_xpos(q, pos, True), paper_xpos(k, pos, False)
     T = q.shape[2]
     rows = torch.arange(T) if rows is None else rows
     scores = q[:, :, rows] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, R, T)
@@ -119,7 +134,7 @@ def kernels_of(name: str) -> list[str | None]:
         ([] if scheme.has_bias else ["causal"])
 
 
-CASES = [(name, kernel) for name in [*sorted(SCHEMES), "toy", "toy-dense"] for kernel in kernels_of(name)]
+CASES = [(name, kernel) for name in [*OWN, "toy", "toy-dense"] for kernel in kernels_of(name)]
 IDS = [f"{name}-{kernel or 'auto'}" for name, kernel in CASES]
 
 
@@ -283,7 +298,7 @@ def flex_cpu():
         pytest.skip(f"compiled FlexAttention does not run on this CPU: {type(err).__name__}: {str(err)[:200]}")
 
 
-FLEX_CASES = [(name, 8 * L) for name in [*sorted(SCHEMES), "toy-dense"]] + [("alibi", L), ("toy-dense", L)]
+FLEX_CASES = [(name, 8 * L) for name in [*OWN, "toy-dense"]] + [("alibi", L), ("toy-dense", L)]
 
 
 @pytest.mark.parametrize("name, T", FLEX_CASES, ids=[f"{name}-{T // L}L" for name, T in FLEX_CASES])
@@ -305,7 +320,7 @@ def test_flex_refuses_a_backward_on_cpu():
 # ---- which kernel, chosen from class attributes -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("name", OWN)
 def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatch):
     scheme = make_scheme(name)
     if not type(scheme).has_bias:  # a probe of score_mod would fail here

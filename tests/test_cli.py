@@ -84,7 +84,7 @@ def choices(*names):
 
 BAD = {
     # id: (overrides, check of the message after "posbench: error: ")
-    "unknown-scheme": (["scheme=xpos"], lambda m: "'xpos'" in m and "scheme" in m and all(n in m for n in SCHEMES)),
+    "unknown-scheme": (["scheme=noscheme"], lambda m: "'noscheme'" in m and "scheme" in m and all(n in m for n in SCHEMES)),
     "unknown-model": (["model=huge"], lambda m: "'huge'" in m and "model" in m and choices("tiny", "small", "base")(m)),
     "unknown-data": (["data=wiki"], lambda m: "'wiki'" in m and "data" in m and choices("shakespeare", "text")(m)),
     "unknown-key": (["train.seqlen=64"], lambda m: "unknown config key 'train.seqlen'" in m),

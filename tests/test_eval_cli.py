@@ -277,3 +277,101 @@ def test_sliding_stride_1_matches_a_naive_per_token_loop(tiny):
     assert r["tokens"] == n and r["windows"] == 1 + n - length
     assert r["nll"] == pytest.approx(nll / n, rel=1e-5)
     assert r["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+
+
+# ---- re-evaluation with a scheme option changed (RoPE scaling) ------------------------------------
+
+
+class NaiveInterpolatedRoPE(torch.nn.Module):
+    """RoPE at positions p/s, written here from RoFormer's rotation (pairs (i, i + Dh/2), θ_i = base^(−2i/Dh)):
+    Position Interpolation (Chen et al. 2023) with no code of posbench's schemes."""
+
+    has_bias = key_only_bias = weight_decay = False
+
+    def __init__(self, head_dim: int, factor: float, base: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.factor, self.base = head_dim, factor, base
+
+    def embed(self, x, pos):
+        return x
+
+    def rotation(self, pos, dtype):
+        half = self.head_dim // 2
+        angles = torch.tensor([[(p / self.factor) * self.base ** (-2 * i / self.head_dim) for i in range(half)]
+                               for p in pos.tolist()], dtype=torch.float64)  # (T, Dh/2)
+        return angles.cos(), angles.sin()
+
+    def rotate(self, q, k, rotation):
+        cos, sin = (t.to(q.dtype) for t in rotation)
+
+        def turn(x):
+            x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2:]
+            return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+        return turn(q), turn(k)
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        return score
+
+
+def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(run, tmp_path, cwd):
+    from posbench import data
+    from posbench.model import GPT
+
+    folder = copy_run(run, tmp_path / "run")
+    ok(posbench("eval", f"run={folder}", *EVAL, cwd=cwd))
+    ok(posbench("eval", f"run={folder}", *EVAL, "scheme.scaling=linear", "scheme.factor=4", cwd=cwd))
+    plain = json.loads((folder / "eval-nonoverlapping-validation-1.json").read_text())
+    scaled = json.loads((folder / "eval-nonoverlapping-validation-2.json").read_text())
+    assert "scheme_overrides" not in plain and plain["config"]["scheme"]["scaling"] == "none"
+    assert scaled["scheme"] == "rope"
+    assert scaled["scheme_overrides"] == {"scaling": "linear", "factor": 4.0, "original_length": 32}
+    assert scaled["config"]["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "linear", "factor": 4.0,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32}
+    assert ppls(folder / "eval-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
+    assert all(a != b for a, b in zip(ppls(folder / "eval-nonoverlapping-validation-2.json").values(),
+                                      ppls(folder / "results.json").values()))
+
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    m = state["spec"]["model"]
+    naive = GPT(state["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"],
+                NaiveInterpolatedRoPE(m["d_model"] // m["n_head"], 4.0), dropout=m["dropout"],
+                scale_embeddings=m["scale_embeddings"])
+    naive.load_state_dict(state["model"])
+    tokens = data.prepare(**scaled["config"]["data"]).tokens["validation"]
+    rows = evaluate(naive.eval(), tokens, [32, 64], max_tokens=256)
+    for row, want in zip(rows, scaled["results"]):
+        assert (row["length"], row["tokens"]) == (want["length"], want["tokens"])
+        assert row["nll"] == pytest.approx(want["nll"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["scheme.max_positions=64"], ["scheme.max_positions=64", "rope scheme", "scaling"]),
+    (["scheme.scaling=bogus"], ["scheme.scaling='bogus'", "yarn"]),
+    (["scheme.scaling=yarn", "scheme.factor=abc"], ["scheme.factor", "abc"]),
+    (["scheme.scaling=ntk", "scheme.factor=0.5"], ["scheme.factor=0.5", ">= 1"]),
+    (["scheme.factor=4"], ["scheme.factor=4.0", "scaling=none"]),
+    (["scheme.bogus_option=1"], ["scheme.bogus_option", "run's scheme"]),
+    (["scheme.name=alibi"], ["scheme.name", "cannot change"]),
+])
+def test_a_bad_scheme_option_at_eval_fails_with_one_line_and_writes_nothing(run, tmp_path, cwd, overrides, words):
+    folder = copy_run(run, tmp_path / "run")
+    before = snapshot(folder)
+    proc = posbench("eval", f"run={folder}", *EVAL, *overrides, cwd=cwd)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("posbench: error:") and "Traceback" not in proc.stdout, proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert snapshot(folder) == before, "posbench eval wrote into the run folder"
+
+
+def test_a_scheme_option_the_weights_do_not_fit_is_refused(bad_runs, tmp_path, cwd):
+    learned = bad_runs["learned table too small"][0]  # a learned run with a 64-row table
+    folder = tmp_path / "learned"
+    shutil.copytree(learned, folder)
+    before = snapshot(folder)
+    proc = posbench("eval", f"run={folder}", "eval.lengths=[32,128]", "eval.max_tokens=256", "scheme.max_positions=128",
+                    cwd=cwd)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "scheme.max_positions=128" in proc.stderr and "do not fit" in proc.stderr, proc.stderr
+    assert snapshot(folder) == before
