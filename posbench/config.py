@@ -188,7 +188,9 @@ def __getattr__(attr: str):  # pickle looks a scheme's schema up by name, in a f
 def register() -> None:
     """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval),
     and one option of the ``scheme`` group per scheme in ``positional.SCHEMES`` now (:func:`scheme_schema`),
-    replacing the options a previous call stored."""
+    replacing the options a previous call stored; and the resolver ``${posbench_schemes:}``, the registered
+    scheme names joined by commas (``experiment=zoo`` sweeps them)."""
+    OmegaConf.register_new_resolver("posbench_schemes", lambda: ",".join(positional.SCHEMES), replace=True)
     store = ConfigStore.instance()
     store.store(name="posbench_schema", node=PosbenchConfig)
     store.store(name="posbench_eval_schema", node=eval_schema())

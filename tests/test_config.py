@@ -165,3 +165,16 @@ def test_finalize_rejects(overrides, words, hydra_ctx):
     assert "\n" not in message
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_the_zoo_sweeps_the_registry_itself(hydra_ctx, monkeypatch):
+    """experiment=zoo takes its scheme list from the registry: every scheme, and one added later too."""
+    def zoo():
+        cfg = compose("train", overrides=["experiment=zoo"], return_hydra_config=True)
+        return str(cfg.hydra.sweeper.params.scheme).split(",")
+
+    assert zoo() == list(SCHEMES) and {"rope", "alibi", "t5", "fire", "xpos"} <= set(zoo())
+    monkeypatch.setitem(SCHEMES, "newcomer", SCHEMES["nope"])
+    assert zoo()[-1] == "newcomer"
+    demo = compose("train", overrides=["experiment=demo"], return_hydra_config=True).hydra.sweeper.params.scheme
+    assert demo == "sinusoidal,learned,rope,alibi"  # the demo stays the four seed schemes
