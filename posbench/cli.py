@@ -147,14 +147,17 @@ def preflight(argv: list[str], config_name: str) -> None:
 
 
 def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
-    """The wandb tracker of this Hydra job: named by its swept overrides, grouped by its sweep."""
+    """The wandb tracker of this Hydra job: named by its variant label (``rope+yarn×16``) and its other swept
+    overrides (``alibi,seed=1``), grouped by its sweep."""
     from posbench.config import to_dict
+    from posbench.positional import variant_label
     from posbench.report import sweep_group
     from posbench.tracking import Tracker
 
     hc = HydraConfig.get()
     swept = set(os.environ.get("POSBENCH_SWEPT", "").split(","))
-    name = ",".join(o for o in hc.overrides.task if o.split("=", 1)[0] in swept) or cfg.scheme.name
+    others = [o for o in hc.overrides.task if o.split("=", 1)[0] in swept and not o.startswith("scheme")]
+    name = ",".join([variant_label(to_dict(cfg.scheme)), *others])
     group = sweep_group(Path(hc.sweep.dir)) if hc.mode == RunMode.MULTIRUN else None
     w = cfg.wandb
     return Tracker(w.enabled and dist.rank() == 0, out_dir, w.project, w.entity, name=name, group=group, config=to_dict(cfg),
@@ -201,8 +204,7 @@ def _eval(job: DictConfig) -> None:
             fail(str(e))
         w = cfg.wandb
         tracker = Tracker(w.enabled and dist.rank() == 0, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
-                          name=" ".join([rec["scheme"], *(f"{k}={v}" for k, v in rec.get("scheme_overrides", {}).items()),
-                                         rec["protocol"], rec["split"]]),
+                          name=f"{rec['label']} {rec['protocol']} {rec['split']}",
                           tags=list(w.tags))
         tracker.log_eval(rec["results"])
         tracker.finish()

@@ -146,7 +146,8 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
 
 def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -> dict:
     """``posbench eval``: score the checkpoint ``state`` of ``run_dir`` with ``cfg.eval``; return the record
-    written to a new ``eval-<protocol>-<split>-<n>.json`` (earlier results are never overwritten).
+    written to a new ``eval-<label>-<protocol>-<split>-<n>.json`` (claimed exclusively: earlier results are never
+    overwritten, and two evaluations started together write two files).
 
     The model is the checkpoint's spec with the scheme options of ``cfg`` that differ from it
     (``posbench.config.eval_overrides``, e.g. ``scheme.scaling=yarn``); the record's config holds them, and
@@ -167,6 +168,6 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
                         train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                         scored_split=corpus.same_as.get(e.split, e.split), **extra)
     if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
-        path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, e.protocol, e.split))
+        path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, rec["label"], e.protocol, e.split))
         print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)
     return rec

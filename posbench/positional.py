@@ -72,6 +72,11 @@ class PositionalScheme(nn.Module):
 
             Raises ValueError whose message starts with ``<field>=<value>`` and says what is allowed."""
 
+        def label(self) -> str:
+            """What the scheme's name alone does not say about this variant, appended to it in every label
+            (results, eval file names, wandb, report rows, plots): "" here; RoPE's ``+yarn×16``."""
+            return ""
+
     def __init__(self, d_model: int, n_head: int, config: Config | None = None):
         super().__init__()
         self.d_model, self.n_head = d_model, n_head
@@ -254,3 +259,14 @@ def build_scheme(name: str, d_model: int, n_head: int, **options) -> PositionalS
         raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
     cls = SCHEMES[name]
     return cls(d_model, n_head, cls.make_config(**options))
+
+
+def variant_label(scheme: dict) -> str:
+    """The label of a scheme section ``{"name": ..., **options}`` (a recorded config's): the name and its
+    Config's :meth:`~PositionalScheme.Config.label`, e.g. ``t5``, ``rope``, ``rope+yarn×16``. A name not in
+    :data:`SCHEMES`, or options it does not take, label as the name alone."""
+    name = scheme.get("name", "")
+    try:
+        return name + SCHEMES[name].make_config(**{k: v for k, v in scheme.items() if k != "name"}).label()
+    except (KeyError, ValueError, TypeError):
+        return name

@@ -2,7 +2,7 @@
 
 One run writes ``results.json`` (the record: metadata, resolved config, one row per evaluation length
 with its per-position and per-window NLL) and ``results.csv`` (one row per length); each ``posbench eval``
-adds an ``eval-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posbench report FOLDER...`` (and
+adds an ``eval-<label>-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posbench report FOLDER...`` (and
 :class:`ReportCallback` at the end of every multirun) folds the records under the folders into:
 
 * ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); rows =
@@ -19,6 +19,7 @@ adds an ``eval-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posben
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import statistics
@@ -30,6 +31,7 @@ from omegaconf import DictConfig
 
 from posbench import plots, stats
 from posbench.config import upgrade
+from posbench.positional import variant_label
 
 log = logging.getLogger("posbench")
 FORMAT = 3  # 3: config.scheme holds the scheme's own options only; 2: rows carry window_nll / window_tokens
@@ -59,7 +61,8 @@ def record(config: dict, rows: list[dict], split: str, train_tokens: int, train_
     import torch
 
     e = config["eval"]
-    return {"format": FORMAT, "scheme": config["scheme"]["name"], "model": config["model"]["name"],
+    return {"format": FORMAT, "scheme": config["scheme"]["name"], "label": variant_label(config["scheme"]),
+            "model": config["model"]["name"],
             "data": config["data"]["name"], "train_length": config["train"]["seq_len"], "lengths": list(e["lengths"]),
             "protocol": e["protocol"], "stride": e["stride"], "split": split, "seed": config["seed"],
             "train_tokens": train_tokens, "train_seconds": round(train_seconds, 2) if train_seconds else None,
@@ -80,12 +83,17 @@ def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
     return path
 
 
-def new_eval_stem(run_dir: Path, protocol: str, split: str) -> str:
-    """``eval-<protocol>-<split>-<n>`` with the first n whose file does not exist yet (never overwrites)."""
-    n = 1
-    while (run_dir / f"eval-{protocol}-{split}-{n}.json").exists():
-        n += 1
-    return f"eval-{protocol}-{split}-{n}"
+def new_eval_stem(run_dir: Path, label: str, protocol: str, split: str) -> str:
+    """``eval-<label>-<protocol>-<split>-<n>`` (``×`` written ``x``) with the first n not yet taken, claimed by
+    creating ``<stem>.json`` exclusively: two evaluations started together get different files, and no file is
+    ever overwritten by another evaluation. The caller then writes the claimed (empty) file."""
+    base = f"eval-{label.replace('×', 'x')}-{protocol}-{split}"
+    for n in itertools.count(1):
+        try:
+            with open(run_dir / f"{base}-{n}.json", "x"):
+                return f"{base}-{n}"
+        except FileExistsError:
+            continue
 
 
 def _base(rec: dict) -> dict:
@@ -96,7 +104,7 @@ def _base(rec: dict) -> dict:
 def run_table(rec: dict) -> str:
     """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored."""
     base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
-    lines = [f"{rec['scheme']} (L={rec['train_length']}, {rec['protocol']}{stride}, {_split_text(rec)})",
+    lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {_split_text(rec)})",
              f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
     lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
     return "\n".join(lines)
@@ -164,9 +172,10 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
     and evaluation settings, and add a ``duplicate of <path>`` line to ``skipped`` for each other one."""
     label_keys, kept, first = settings(records)[0], [], {}
     for rec in sorted(records, key=lambda r: r["path"]):
-        flat = _flat(rec["config"])
-        keys = label_keys[rec["config"]["scheme"]["name"]]
-        rec["setting"], rec["order"] = _label(flat, keys), tuple(_value_key(json.loads(flat[k])) for k in keys)
+        flat, label = _flat(rec["config"]), variant_label(rec["config"]["scheme"])
+        keys = label_keys[label]
+        rec["setting"] = ", ".join([label, *(f"{k}={_show(flat[k])}" for k in keys)])
+        rec["order"] = (label, *(_value_key(json.loads(flat[k])) for k in keys))
         earlier = first.setdefault((rec["setting"], json.dumps(rec["seed"]), eval_settings(rec)), rec["path"])
         if earlier != rec["path"]:
             skipped.append(f"{rec['path']}: duplicate of {earlier}")
@@ -204,8 +213,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, list[str]], dict[str, dict]]:
     """How the records' configs differ (values as JSON text). Returns
 
-    * label keys per scheme name: ``scheme.name``, the scheme's own keys (``scheme.*``) that differ between
-      its runs, then every other key with more than one value across all records (not seeds, evaluation
+    * label keys per variant label (:func:`posbench.positional.variant_label`: ``rope``, ``rope+yarn×16``):
+      the scheme's own keys (``scheme.*``) that differ between its runs, then every other key with more than one value across all records (not seeds, evaluation
       or bookkeeping keys: :data:`IGNORED`);
     * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or
       the evaluation settings of the table titles; null and [] left out);
@@ -218,13 +227,13 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     flats = [_flat(r["config"]) for r in records]  # upgraded configs: every key of the schema and of the scheme
     keys = sorted(set().union(*flats))
     values = {k: sorted({f[k] for f in flats if k in f}) for k in keys}
-    by_scheme = defaultdict(list)
-    for f in flats:
-        by_scheme[json.loads(f["scheme.name"])].append(f)
+    by_scheme = defaultdict(list)  # by variant label: rope and rope+yarn×16 are two rows
+    for rec, f in zip(records, flats):
+        by_scheme[variant_label(rec["config"]["scheme"])].append(f)
     common = [k for k in keys if len(values[k]) > 1 and not k.startswith(("scheme.", *IGNORED))]
     own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
            for name, group in by_scheme.items()}
-    labels = {name: ["scheme.name", *own[name], *common] for name in by_scheme}
+    labels = {name: [*own[name], *common] for name in by_scheme}
     everywhere = {k for k in keys if all(k in f for f in flats)}  # not an option of some schemes only
     fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k in everywhere
              and k not in ("seed", "scheme.name", *TITLE_KEYS) and v[0] not in ("null", "[]")}
@@ -238,11 +247,6 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
 def _show(text: str) -> str:
     value = json.loads(text)
     return value if isinstance(value, str) else text
-
-
-def _label(flat: dict, keys: list[str]) -> str:
-    """``rope``, or ``rope, model.n_layer=2``: the scheme, then ``key=value`` for the other label keys."""
-    return ", ".join([_show(flat[keys[0]]), *(f"{k}={_show(flat[k])}" for k in keys[1:])])
 
 
 def _value_key(value) -> tuple:

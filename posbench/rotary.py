@@ -100,6 +100,9 @@ class RoPE(PositionalScheme):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"original_length={n!r}: the train length must be a positive integer")
 
+        def label(self) -> str:
+            return "" if self.scaling == "none" else f"+{self.scaling}×{self.factor:g}"  # rope+yarn×16
+
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
         c = self.config

@@ -137,7 +137,7 @@ def test_torchrun_eval_shards_windows_and_writes_once(ddp):
     proc = subprocess.run(cmd, cwd=run.parent, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     written = sorted(p.name for p in run.glob("eval-*.json"))
-    assert written == ["eval-nonoverlapping-validation-1.json"]  # rank 0 alone writes
+    assert written == ["eval-rope-nonoverlapping-validation-1.json"]  # rank 0 alone writes
     ev = json.loads((run / written[0]).read_text())
     base = json.loads((run / "results.json").read_text())
     assert ev["world_size"] == 2

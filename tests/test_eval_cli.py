@@ -100,16 +100,16 @@ def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, c
         if rel != "eval.log":
             assert after.get(rel) == state, f"{rel} was changed or removed by posbench eval"
     new = set(after) - set(before) - {"eval.log"}
-    assert new == {"eval-sliding-validation-1.json", "eval-sliding-validation-1.csv"}
-    assert "eval-sliding-validation-1.json" in proc.stdout
+    assert new == {"eval-rope-sliding-validation-1.json", "eval-rope-sliding-validation-1.csv"}
+    assert "eval-rope-sliding-validation-1.json" in proc.stdout
 
-    rec = json.loads((folder / "eval-sliding-validation-1.json").read_text())
+    rec = json.loads((folder / "eval-rope-sliding-validation-1.json").read_text())
     assert rec["protocol"] == "sliding" and rec["stride"] == 8
     assert rec["lengths"] == [32, 64] and rec["split"] == "validation"
     assert [r["length"] for r in rec["results"]] == [32, 64]
     assert all(r["tokens"] == 256 for r in rec["results"])
     assert rec["scheme"] == "rope" and rec["train_length"] == 32
-    csv_lines = (folder / "eval-sliding-validation-1.csv").read_text().splitlines()
+    csv_lines = (folder / "eval-rope-sliding-validation-1.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and "protocol" in csv_lines[0] and all("sliding" in line for line in csv_lines[1:])
 
     first = snapshot(folder)
@@ -118,28 +118,28 @@ def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, c
     for rel, state in first.items():
         if rel != "eval.log":
             assert after.get(rel) == state, f"{rel} was changed or removed by the second posbench eval"
-    assert set(after) - set(first) - {"eval.log"} == {"eval-sliding-validation-2.json", "eval-sliding-validation-2.csv"}
-    second = json.loads((folder / "eval-sliding-validation-2.json").read_text())
+    assert set(after) - set(first) - {"eval.log"} == {"eval-rope-sliding-validation-2.json", "eval-rope-sliding-validation-2.csv"}
+    second = json.loads((folder / "eval-rope-sliding-validation-2.json").read_text())
     assert (second["protocol"], second["stride"], second["lengths"], second["split"]) == ("sliding", 8, [32, 64], "validation")
-    assert ppls(folder / "eval-sliding-validation-2.json") == ppls(folder / "eval-sliding-validation-1.json")
+    assert ppls(folder / "eval-rope-sliding-validation-2.json") == ppls(folder / "eval-rope-sliding-validation-1.json")
 
 
 def test_eval_on_the_test_split(run, tmp_path, cwd):
     folder = copy_run(run, tmp_path / "run")
     ok(posbench("eval", f"run={folder}", *EVAL, "eval.split=test", cwd=cwd))
-    rec = json.loads((folder / "eval-nonoverlapping-test-1.json").read_text())
+    rec = json.loads((folder / "eval-rope-nonoverlapping-test-1.json").read_text())
     assert rec["split"] == "test" and rec["protocol"] == "nonoverlapping" and rec["lengths"] == [32, 64]
-    assert (folder / "eval-nonoverlapping-test-1.csv").is_file()
+    assert (folder / "eval-rope-nonoverlapping-test-1.csv").is_file()
     assert not list(folder.glob("eval-*-validation-*"))
-    assert ppls(folder / "eval-nonoverlapping-test-1.json") != ppls(folder / "results.json")  # other tokens
+    assert ppls(folder / "eval-rope-nonoverlapping-test-1.json") != ppls(folder / "results.json")  # other tokens
 
 
 def test_nonoverlapping_reeval_reproduces_the_training_run(run, tmp_path, cwd):
     folder = copy_run(run, tmp_path / "run")
     ok(posbench("eval", f"run={folder}", *EVAL, "eval.protocol=nonoverlapping", cwd=cwd))
     trained = json.loads((folder / "results.json").read_text())
-    again = json.loads((folder / "eval-nonoverlapping-validation-1.json").read_text())
-    assert ppls(folder / "eval-nonoverlapping-validation-1.json") == ppls(folder / "results.json")  # exactly
+    again = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
+    assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")  # exactly
     assert [(r["tokens"], r["windows"], r["nll"]) for r in again["results"]] == \
            [(r["tokens"], r["windows"], r["nll"]) for r in trained["results"]]
     assert again["seed"] == trained["seed"] and again["train_tokens"] == trained["train_tokens"]
@@ -321,15 +321,15 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(run, tm
     folder = copy_run(run, tmp_path / "run")
     ok(posbench("eval", f"run={folder}", *EVAL, cwd=cwd))
     ok(posbench("eval", f"run={folder}", *EVAL, "scheme.scaling=linear", "scheme.factor=4", cwd=cwd))
-    plain = json.loads((folder / "eval-nonoverlapping-validation-1.json").read_text())
-    scaled = json.loads((folder / "eval-nonoverlapping-validation-2.json").read_text())
+    plain = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
+    scaled = json.loads((folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").read_text())
     assert "scheme_overrides" not in plain and plain["config"]["scheme"]["scaling"] == "none"
-    assert scaled["scheme"] == "rope"
+    assert scaled["scheme"] == "rope" and scaled["label"] == "rope+linear×4" and plain["label"] == "rope"
     assert scaled["scheme_overrides"] == {"scaling": "linear", "factor": 4.0, "original_length": 32}
     assert scaled["config"]["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "linear", "factor": 4.0,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32}
-    assert ppls(folder / "eval-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
-    assert all(a != b for a, b in zip(ppls(folder / "eval-nonoverlapping-validation-2.json").values(),
+    assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
+    assert all(a != b for a, b in zip(ppls(folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").values(),
                                       ppls(folder / "results.json").values()))
 
     state = torch.load(folder / "checkpoint.pt", weights_only=True)

@@ -274,3 +274,13 @@ def test_learned_table_needs_rows():
     assert_close(again, rows[[9, 0, 4]])  # a row per absolute position
     with pytest.raises(IndexError):
         table.embed(torch.zeros(1, 11, 16), torch.arange(11))  # past the table
+
+
+def test_variant_labels_say_what_the_name_does_not():
+    from posbench.positional import variant_label
+
+    assert variant_label({"name": "t5", "num_buckets": 32}) == "t5"
+    assert variant_label({"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0}) == "rope"
+    assert variant_label({"name": "rope", "scaling": "linear", "factor": 4.0}) == "rope+linear×4"
+    assert variant_label({"name": "rope", "scaling": "yarn", "factor": 16.0, "original_length": 128}) == "rope+yarn×16"
+    assert variant_label({"name": "gone", "x": 1}) == "gone"  # a record of a scheme this posbench lacks

@@ -96,7 +96,7 @@ def write_eval(folder: Path, cfg: dict, rows: list[dict] | None = None, stem: st
     e = cfg["eval"]
     rec = report.record(cfg, rows if rows is not None else rows_for(cfg), split=e["split"], train_tokens=1280,
                         train_seconds=2.5, device="cpu", threads=2, **extra)
-    return report.write_results(folder, rec, stem or report.new_eval_stem(folder, e["protocol"], e["split"]))
+    return report.write_results(folder, rec, stem or report.new_eval_stem(folder, rec["label"], e["protocol"], e["split"]))
 
 
 def sections(md: str) -> dict[str, str]:
@@ -308,6 +308,30 @@ def test_a_scheme_key_labels_the_rows_of_its_scheme(tmp_path):
     write_run(root / "alibi", config("alibi", 0))
     table_text, _, _ = report.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "rope, scheme.base=500.0", "rope, scheme.base=10000.0"], table_text
+
+
+def test_a_variant_label_names_its_row_record_and_eval_file(tmp_path):
+    """rope re-evaluated with YaRN ×16 is its own row, labelled rope+yarn×16 (not rope, scheme.factor=…), and
+    its eval file carries the label."""
+    folder = tmp_path / "runs" / "rope"
+    cfg = config("rope", 0)
+    write_run(folder, cfg)
+    yarn = {**cfg, "scheme": {"name": "rope", "base": 10000.0, "scaling": "yarn", "factor": 16.0, "original_length": 32}}
+    path = write_eval(folder, yarn)
+    assert path.name == "eval-rope+yarnx16-nonoverlapping-validation-1.json"
+    assert json.loads(path.read_text())["label"] == "rope+yarn×16"
+    table_text, _, _ = report.write_report([tmp_path / "runs"], tmp_path / "out")
+    assert table_rows(table_text) == ["rope", "rope+yarn×16"], table_text
+
+
+def test_eval_stems_are_claimed_exclusively(tmp_path):
+    """Eight evaluations naming their files at once get eight different stems, each file created once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        stems = list(pool.map(lambda _: report.new_eval_stem(tmp_path, "t5", "sliding", "test"), range(8)))
+    assert sorted(stems, key=lambda t: int(t.rsplit("-", 1)[1])) == [f"eval-t5-sliding-test-{n}" for n in range(1, 9)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{t}.json" for t in stems)
 
 
 def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path):

@@ -151,14 +151,15 @@ def test_offline_run_logs_train_and_eval_metrics_and_config(tmp_path, cache):
     assert meta.display_name == "alibi" and meta.job_type == "train" and meta.project == "posbench"
 
 
-def test_sweep_runs_are_named_by_their_overrides_and_grouped(tmp_path, cache):
+def test_sweep_runs_are_named_by_their_label_and_overrides_and_grouped(tmp_path, cache):
     sweep = tmp_path / "sweep"
-    posbench("train", "-m", "debug=fast", "scheme=alibi,rope", f"hydra.sweep.dir={sweep}",
+    posbench("train", "-m", "debug=fast", "scheme=alibi,rope", "train.lr=0.002,0.003", f"hydra.sweep.dir={sweep}",
              f"data.cache_dir={cache}", cwd=tmp_path)
     jobs = sorted(p.parent for p in sweep.glob("*/results.json"))
-    assert len(jobs) == 2
+    assert len(jobs) == 4
     runs = [run_record(read_wandb_records(wandb_file(job))) for job in jobs]
-    assert sorted(r.display_name for r in runs) == ["scheme=alibi", "scheme=rope"]
+    assert sorted(r.display_name for r in runs) == ["alibi,train.lr=0.002", "alibi,train.lr=0.003",
+                                                     "rope,train.lr=0.002", "rope,train.lr=0.003"]
     groups = {r.run_group for r in runs}
     assert len(groups) == 1 and groups.pop() == f"{tmp_path.name}/sweep"
     assert {r.job_type for r in runs} == {"train"}
