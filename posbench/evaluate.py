@@ -133,7 +133,9 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
         both = all_reduce_sum(torch.cat([pos_sum, pos_count, win_sum]).to(device)).cpu()  # (2·length + windows,)
         pos_sum, pos_count, win_sum = both[:length], both[length: 2 * length], both[2 * length:]
         total, count = pos_sum.sum().item(), int(pos_count.sum().item())
-        assert count == n, f"scored {count} targets, expected {n}"  # the protocol's invariant
+        if count != n:  # the protocol's invariant: a real check, not an assert that python -O removes
+            raise RuntimeError(f"evaluation at length {length} scored {count} targets, expected {n}: the "
+                               f"{protocol} windows do not cover the span once")
         edges = position_bins(length)
         bounds = list(edges[1:]) + [length]
         by_pos = [pos_sum[a:e].sum().item() / max(1.0, pos_count[a:e].sum().item()) for a, e in zip(edges, bounds)]

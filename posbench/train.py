@@ -303,17 +303,20 @@ def _metrics_file(out_dir: Path, step0: int):
 
 
 def _compiled(net: torch.nn.Module):
-    """``torch.compile(net)``, falling back to eager (with a warning) when compilation fails at the first call."""
-    compiled = torch.compile(net)
+    """``torch.compile(net)``, falling back to eager (with a warning) when compilation fails at the first call;
+    once a compiled call has succeeded, an error in a later step is the step's error and propagates."""
+    compiled, first = torch.compile(net), True
 
     def forward(x, **kwargs):
-        nonlocal compiled
-        if compiled is not net:
-            try:
-                return compiled(x, **kwargs)
-            except Exception as err:  # noqa: BLE001 - any compiler failure falls back the same way
-                log.warning("torch.compile failed (%s: %s); training in eager mode", type(err).__name__, err)
-                compiled = net
+        nonlocal compiled, first
+        if not first:
+            return compiled(x, **kwargs)
+        first = False
+        try:
+            return compiled(x, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any compiler failure at the first call falls back the same way
+            log.warning("torch.compile failed (%s: %s); training in eager mode", type(err).__name__, err)
+            compiled = net
         return net(x, **kwargs)
 
     return forward
