@@ -119,7 +119,8 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
 
     Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
     naming the changed keys. A changed ``train.steps`` is refused too, naming both numbers: the learning-rate
-    schedule is a function of it, so a shorter or longer run is not the same run continued."""
+    schedule is a function of it, so a shorter or longer run is not the same run continued. So is a different
+    number of processes (torchrun world size) than the state was trained by, naming both."""
     state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
     if state is not None:
         changed = changed_keys(state["config"], to_dict(cfg))
@@ -131,6 +132,12 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
         if changed:
             raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
                               "use a new run folder, or resume=never to start over here")
+        saved, world = state.get("world_size"), dist.world()  # states written before it was recorded: unknown
+        if saved is not None and saved != world:
+            raise ConfigError(f"{out_dir} holds a checkpoint trained by {saved} processes (torchrun ranks) and this "
+                              f"run has {world}: the global batch (train.batch_size × ranks), its contents and the "
+                              f"effective learning rate would change mid-run; resume with {saved} processes, or "
+                              "resume=never to start over here")
     return state
 
 
@@ -212,6 +219,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
                 "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
                 "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start, "loss": loss.item(),
+                "world_size": world,
                 "config": config}, t.keep_checkpoints)
         dist.barrier()
 

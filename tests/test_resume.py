@@ -486,3 +486,18 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatc
     state = checkpoint.latest_state(tmp_path)
     assert state["step"] == 4 and torch.equal(state["model"]["w"], _state(4)["model"]["w"])
     assert first.exists()
+
+
+def test_a_different_world_size_is_refused(cache, tmp_path):
+    """A state trained by 2 torchrun ranks does not resume in 1 process: the global batch, its contents and the
+    effective learning rate would change mid-run. Refused, naming both; the same world size resumes."""
+    from posbench.config import ConfigError, finalize, to_dict
+    from posbench.train import resume_state
+
+    cfg = finalize(compose(cache))
+    state = {"format": checkpoint.FORMAT, "step": 4, "model": {"w": torch.zeros(2)}, "config": to_dict(cfg), "world_size": 2}
+    checkpoint.save_state(tmp_path, state, keep=2)
+    with pytest.raises(ConfigError, match=r"trained by 2 processes .* this run has 1"):
+        resume_state(cfg, tmp_path)
+    checkpoint.save_state(tmp_path, {**state, "step": 8, "world_size": 1}, keep=2)
+    assert resume_state(cfg, tmp_path)["step"] == 8
