@@ -7,7 +7,7 @@ Batches are random crops of L + 1 tokens from the train memmap; batch i is a pur
 (seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training
 checkpoint (``resume=auto``, the default) sees the same batches and, on CPU with the same thread
 count, produces bit-identical losses. Under torchrun the loop runs DDP; rank 0 alone writes.
-Per-step metrics go to ``metrics.jsonl`` (and wandb); SIGTERM saves a checkpoint and exits with
+Per-step metrics go to ``metrics.jsonl`` (and wandb); SIGTERM or SIGUSR2 saves a checkpoint and exits with
 :data:`EXIT_PREEMPTED`; a non-finite loss or gradient stops the run, marked failed.
 """
 
@@ -35,7 +35,8 @@ from posbench.positional import SCHEMES
 from posbench.tracking import Tracker
 
 log = logging.getLogger("posbench")
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving a checkpoint; re-run to resume
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR2 after saving a checkpoint; re-run to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # a scheduler's stop, and SLURM's warning (--signal=USR2@…)
 RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
              "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
@@ -45,7 +46,7 @@ class TrainingFailed(RuntimeError):
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint was saved. The CLI exits with EXIT_PREEMPTED."""
+    """SIGTERM or SIGUSR2 arrived; a checkpoint was saved. The CLI exits with EXIT_PREEMPTED."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,7 +172,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
         posbench.data.DataError: unusable data.
         checkpoint.CheckpointError: the run folder cannot take a checkpoint.
         TrainingFailed: a non-finite loss or gradient (the step is in the message).
-        Preempted: SIGTERM arrived and a checkpoint was saved.
+        Preempted: SIGTERM or SIGUSR2 arrived and a checkpoint was saved (for SIGUSR2 a handler installed
+            before, such as submitit's, is called first: it may requeue the job and exit instead).
     """
     finalize(cfg, SCHEMES)
     tracker = tracker or Tracker(False, out_dir, "")
@@ -223,8 +225,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
                 "config": config}, t.keep_checkpoints)
         dist.barrier()
 
-    preempted = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
+    preempted = []  # (signal number, frame) of each stop signal; handled at the end of the step
+    previous = {s: signal.signal(s, lambda *sig: preempted.append(sig)) for s in STOP_SIGNALS}
     metrics = _metrics_file(out_dir, step0) if main else None
     bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -264,11 +266,16 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
                 log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, row["loss"], lr, row["grad_norm"], tok_s)
             if dist.all_reduce_sum(torch.tensor([float(bool(preempted))], device=device)).item():  # any rank
                 save_state(step + 1)
-                raise Preempted(f"SIGTERM at step {step + 1}: checkpoint saved in {out_dir / checkpoint.STATES}; re-run the same command to resume")
+                signum, frame = preempted[0] if preempted else (signal.SIGTERM, None)  # (another rank's signal)
+                if signum == signal.SIGUSR2 and callable(previous[signum]):  # the handler there first (submitit's
+                    previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
+                raise Preempted(f"{signal.Signals(signum).name} at step {step + 1}: checkpoint saved in "
+                                f"{out_dir / checkpoint.STATES}; re-run the same command to resume")
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
                 save_state(step + 1)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         bar.close()
         if metrics:
             metrics.close()

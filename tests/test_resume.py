@@ -501,3 +501,59 @@ def test_a_different_world_size_is_refused(cache, tmp_path):
         resume_state(cfg, tmp_path)
     checkpoint.save_state(tmp_path, {**state, "step": 8, "world_size": 1}, keep=2)
     assert resume_state(cfg, tmp_path)["step"] == 8
+
+
+@pytest.fixture
+def usr2_at_step_3(monkeypatch):
+    """SIGUSR2 sent to this process while step 3 runs (as SLURM's --signal=USR2@… would)."""
+    from posbench import train as train_module
+
+    real = train_module.lr_factor
+
+    def lr_factor(step, *args):
+        if step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return real(step, *args)
+
+    monkeypatch.setattr(train_module, "lr_factor", lr_factor)
+
+
+def _train_in_process(cache, run):
+    from posbench.config import finalize
+    from posbench.train import train
+
+    cfg = finalize(compose(cache, "train.steps=8", "wandb.enabled=false", "train.threads=1"))
+    run.mkdir()
+    return train(cfg, run)
+
+
+def test_sigusr2_saves_a_checkpoint_then_exits_75(cache, tmp_path, usr2_at_step_3, torch_state):
+    from posbench.train import Preempted
+
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # a plain run: no handler before posbench's
+    try:
+        with pytest.raises(Preempted, match="SIGUSR2 at step 3"):
+            _train_in_process(cache, tmp_path / "run")
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert valid_states(tmp_path / "run") == [3]
+
+
+def test_sigusr2_hands_over_to_the_handler_installed_before_after_the_checkpoint(cache, tmp_path, usr2_at_step_3,
+                                                                                 torch_state):
+    """Under submitit, its SIGUSR2 handler (requeue, then exit) was installed first: posbench saves the step's
+    checkpoint, then calls it, so the requeued task resumes from that checkpoint."""
+    calls = []
+
+    def submitit_like(signum, frame):  # what submitit's handler does: requeue, then leave the process
+        calls.append((signum, valid_states(tmp_path / "run")))
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_like)
+    try:
+        with pytest.raises(SystemExit):
+            _train_in_process(cache, tmp_path / "run")
+    finally:
+        restored = signal.signal(signal.SIGUSR2, previous)
+    assert calls == [(signal.SIGUSR2, [3])]  # called once, after the checkpoint of step 3 was written
+    assert restored is submitit_like  # posbench's own handler was removed again
