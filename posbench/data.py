@@ -14,6 +14,7 @@ Run through ``posbench train`` (the first run prepares the data; later runs reus
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -137,6 +138,9 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
             of a paper corpus) and the budgets, each None for no limit: ``tokenizer_train_chars`` (train the
             BPE on the first N characters of train), ``max_train_docs`` (keep the first N train documents),
             ``max_train_tokens`` (cut the train ids after N tokens).
+    Concurrent calls on one machine (torchrun ranks, sweep jobs) build the cache once: the first takes a lock
+    file beside it (``<cache>.lock``) and builds; the others wait for it and read the finished copy.
+
     Returns:
         the :class:`Corpus`; its memmaps hold ``meta["tokens"][split]`` ids each.
     Raises:
@@ -164,19 +168,29 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cache_dir) / f"{name}-{key}"
     if not (root / "meta.json").exists():
-        tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            _build(tmp, identity, load(tmp), vocab_size, num_proc, limits)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        try:
-            tmp.rename(root)  # atomic: a concurrent run either sees nothing or the whole folder
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another run finished first; use its copy
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with open(root.with_name(f"{root.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build per cache: the other processes of this machine (torchrun
+            if not (root / "meta.json").exists():  # ranks, sweep jobs) wait here, then use the finished copy
+                _build_into(root, identity, load, vocab_size, num_proc, limits)
     return load_cached(root)
+
+
+def _build_into(root: Path, identity: dict, load, vocab_size: int, num_proc: int, limits: dict) -> None:
+    """Build the cache in a temporary folder beside ``root`` and rename it to ``root`` (atomic: a concurrent
+    reader sees nothing or the whole folder, e.g. on a shared file system where the lock does not reach)."""
+    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _build(tmp, identity, load(tmp), vocab_size, num_proc, limits)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another machine's run finished first; use its copy
 
 
 def _build(tmp: Path, identity: dict, ds, vocab_size: int, num_proc: int, limits: dict) -> None:

@@ -188,7 +188,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     torch.manual_seed(cfg.seed)
     quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not main
     config = to_dict(cfg)
-    corpus = check_data(cfg) if main else None  # rank 0 builds the cache, the others reuse it
+    corpus = check_data(cfg) if main else None  # rank 0 first; data.prepare builds once per machine anyway
     dist.barrier()
     corpus = corpus or check_data(cfg)
 

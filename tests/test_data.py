@@ -15,6 +15,7 @@ import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import datasets  # noqa: E402
 import numpy as np  # noqa: E402
@@ -290,6 +291,39 @@ def test_bad_local_copies(tmp_path):
 
 
 # ---- data=text (file corpora) -----------------------------------------------------------------
+
+
+def _prepare_counting_builds(args: tuple, path: str, log: str) -> None:
+    """In a child process: data.prepare, with every tokenizer training appended to ``log`` (one line each)."""
+    real = data.train_tokenizer
+
+    def counted(*a, **k):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)  # a slow build: the other process starts while this one holds the cache
+        return real(*a, **k)
+
+    data.train_tokenizer = counted
+    data.prepare(*args, path=path)
+
+
+def test_processes_racing_on_a_cold_cache_build_it_once(tmp_path):
+    """Two processes (as torchrun's ranks, or two sweep jobs) preparing one cold cache at once: one trains the
+    tokenizer and writes the ids, the other waits for it and reads its copy."""
+    import multiprocessing
+
+    wikitext_dict().save_to_disk(str(tmp_path / "wt"))
+    args, log = ("wikitext103", VOCAB, str(tmp_path / "cache")), str(tmp_path / "builds.log")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_prepare_counting_builds, args=(args, str(tmp_path / "wt"), log)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert len(open(log).read().splitlines()) == 1  # one build
+    corpus = data.prepare(*args, path=str(tmp_path / "wt"))
+    assert not list(corpus.root.parent.glob("*.tmp-*"))  # no half-built folder left behind
 
 
 def text_files(tmp_path):
