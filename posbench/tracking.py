@@ -13,6 +13,7 @@ Disabled trackers (``wandb.enabled=false``, WANDB_MODE=disabled, or ranks > 0) a
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 
@@ -26,7 +27,9 @@ class Tracker:
         name: run name, e.g. the overrides that differ between jobs of a sweep (``scheme=alibi,seed=1``).
         group: the sweep (its folder name), so a sweep's runs are grouped in the dashboard.
         config: the resolved config (a plain dict), logged as the run config.
-        job_type: ``train``, ``eval`` or ``report``.
+        job_type: ``train``, ``eval`` or ``report``. A ``train`` run keeps its wandb id in
+            ``out_dir/wandb/run-id`` and resumes it (``resume="allow"``), so a run killed and resumed in the same
+            folder is one wandb run; its offline files are synced into that one run.
     """
 
     def __init__(self, enabled: bool, out_dir: Path, project: str, entity: str | None = None,
@@ -37,8 +40,15 @@ class Tracker:
             return
         import wandb
 
+        resume = {}
+        if job_type == "train":  # one wandb run per run folder: a resumed run continues the one it started
+            id_file = Path(out_dir) / "wandb" / "run-id"
+            if not id_file.is_file():
+                id_file.parent.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(uuid.uuid4().hex[:8] + "\n")  # a wandb run id: 8 characters [0-9a-f]
+            resume = {"id": id_file.read_text().strip(), "resume": "allow"}
         self.run = wandb.init(project=project, entity=entity, name=name, group=group, config=config,
-                              dir=str(out_dir), job_type=job_type, tags=tags,
+                              dir=str(out_dir), job_type=job_type, tags=tags, **resume,
                               mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous",
                               settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False))
         self.run.define_metric("train/*", step_metric="trainer/step")

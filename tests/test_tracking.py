@@ -168,3 +168,15 @@ def test_sweep_runs_are_named_by_their_label_and_overrides_and_grouped(tmp_path,
     summary = run_record(read_wandb_records(wandb_file(sweep)))
     assert summary.job_type == "report" and summary.run_group == runs[0].run_group
     assert (sweep / "report.md").is_file()
+
+
+def test_a_rerun_in_the_same_folder_continues_the_same_wandb_run(tmp_path, cache):
+    """The run id is kept in the run folder: running the command again there (a resume, or here a finished
+    run that re-evaluates) logs to the same wandb run, not to a second one."""
+    run = tmp_path / "run"
+    for _ in range(2):
+        posbench("train", "debug=fast", "train.steps=4", f"hydra.run.dir={run}", f"data.cache_dir={cache}", cwd=tmp_path)
+    files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    ids = {run_record(read_wandb_records(f)).run_id for f in files}
+    assert ids == {(run / "wandb" / "run-id").read_text().strip()}
