@@ -32,7 +32,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from posbench.config import ConfigError, eval_config, eval_schema, finalize, register, scheme_of  # noqa: E402
+from posbench.config import ConfigError, finalize, register, scheme_of  # noqa: E402
+from posbench.eval_job import eval_config, eval_schema  # noqa: E402
 from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
 from posbench.data import DataError  # noqa: E402
 from posbench.positional import SCHEMES  # noqa: E402

@@ -152,12 +152,13 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     overwritten, and two evaluations started together write two files).
 
     The model is the checkpoint's spec with the scheme options of ``cfg`` that differ from it
-    (``posbench.config.eval_overrides``, e.g. ``scheme.scaling=yarn``); the record's config holds them, and
+    (``posbench.eval_job.eval_overrides``, e.g. ``scheme.scaling=yarn``); the record's config holds them, and
     ``scheme_overrides`` lists them (absent when the model is the trained one as it was)."""
     from pathlib import Path
 
     from posbench import checkpoint, data, dist, report
-    from posbench.config import eval_overrides, to_dict
+    from posbench.config import to_dict
+    from posbench.eval_job import eval_overrides
 
     run_dir, e = Path(run_dir), cfg.eval
     corpus = data.prepare(**state["config"]["data"])  # the same cache key: reused, or rebuilt if deleted

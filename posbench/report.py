@@ -22,7 +22,6 @@ import csv
 import itertools
 import json
 import logging
-import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
