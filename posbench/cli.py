@@ -244,11 +244,19 @@ def main(argv: list[str] | None = None) -> None:
     task, config_name = COMMANDS[command]
     register()
     preflight(rest, config_name)
+    os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep's workers
     if dist.world() > 1:  # torchrun: one run folder for all ranks; only rank 0 writes Hydra's files and logs
         dist.init()
         os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))
         if dist.rank() > 0:
             rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     sys.argv = [f"posbench-{command}", *rest]
-    task()
+    try:
+        task()
+    except SystemExit:  # a failed, refused or preempted run: every rank exits here with the same status
+        dist.finish()
+        raise
+    except BaseException:  # an unforeseen error, maybe on this rank alone: leave without waiting for the others
+        dist.finish(together=False)
+        raise
     dist.finish()

@@ -7,17 +7,27 @@ lock file of one free GPU, waits while every GPU is taken, and narrows ``CUDA_VI
 GPU, so the job's ``cuda`` device is the one it holds. Two jobs never hold the same GPU at once, more jobs
 than GPUs queue, and the kernel drops a dead process's locks, so a crashed job frees its GPU.
 
-The lock files live in a node-local folder shared by every posbench sweep of the user on the machine
-(``$POSBENCH_GPU_LOCK_DIR``, else ``<tmp>/posbench-gpus-<uid>``), one file per device id as written in
-``CUDA_VISIBLE_DEVICES`` (an index or a UUID): two sweeps started side by side share the GPUs out too,
-as long as they name them the same way.
+A joblib worker process runs several jobs one after another. Once CUDA is initialised in a process its
+devices are fixed, so a worker whose job used CUDA is bound to that GPU: it waits for the same GPU for its
+next job, and says so for the rest of its life with a shared ``flock`` on ``gpu-<id>.bound`` (taken with the
+GPU; dropped at the job's end if CUDA was not initialised). A worker not bound takes a free GPU that no
+other worker is bound to whenever there is one, not one a bound worker will wait for while another GPU idles;
+only when every GPU is bound (more workers than GPUs, as with ``hydra.launcher.n_jobs=2`` on one GPU) does
+it take any free one, and the workers bound to a GPU then take turns on it.
+
+The lock files live in a node-local folder shared by every posbench sweep of the user on the machine,
+:func:`default_lock_dir`: ``$POSBENCH_GPU_LOCK_DIR``, else ``$XDG_RUNTIME_DIR/posbench-gpus``, out of reach
+of the age-based cleaners of the temp folder, else ``<tmp>/posbench-gpus-<uid>``. There is one pair of files
+per device id as written in ``CUDA_VISIBLE_DEVICES`` (an index or a UUID): two sweeps started side by side
+share the GPUs out too, as long as they use the same folder and name the GPUs the same way. A process that
+holds or is bound to a GPU holds a shared ``flock`` on the folder too, and systemd-tmpfiles leaves a folder
+so locked, and all in it, out of its age-based cleanup (tmpfiles.d(5)). Other cleaners may still delete a
+lock file in use, so a lock counts only if the locked file is still the one at its path: a lock on a deleted
+file guards nothing.
 
 Importing this module calls :func:`register` (the ``${posbench_gpus:}`` resolver, and a filter for Hydra's
 warning about our ``joblib`` preset): import it at the top of the module holding the Hydra task, so the
 joblib workers, which import that module to unpickle the task, quiet the warning too.
-
-A joblib worker process runs several jobs one after another. Once CUDA is initialised in a process its
-devices are fixed, so a worker that has used CUDA waits for the same GPU again for its next job.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import ContextManager, Iterator, Optional, Sequence
 
@@ -41,6 +51,7 @@ RESOLVER = "posbench_gpus"  # ${posbench_gpus:} in a config: the number of visib
 LOCK_DIR_ENV = "POSBENCH_GPU_LOCK_DIR"
 _held: Optional[str] = None  # the device this process holds now (hold_gpu is re-entrant)
 _last: Optional[str] = None  # the device this process held last: its CUDA context, if any, lives there
+_binding: Optional[ExitStack] = None  # while bound to _last: the shared locks on its .bound file and on the folder
 
 
 def visible_devices() -> list[str]:
@@ -83,8 +94,15 @@ def register() -> None:
 
 
 def default_lock_dir() -> Path:
-    """``$POSBENCH_GPU_LOCK_DIR``, else ``<tmp>/posbench-gpus-<uid>``: node-local, so ``flock`` works."""
-    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / f"posbench-gpus-{os.getuid()}")
+    """The folder of the GPU lock files: ``$POSBENCH_GPU_LOCK_DIR``; else ``$XDG_RUNTIME_DIR/posbench-gpus`` when
+    ``$XDG_RUNTIME_DIR`` is a writable folder of the user's own (``/run/user/<uid>`` under systemd); else
+    ``<tmp>/posbench-gpus-<uid>``. All three are node-local, so ``flock`` works."""
+    if os.environ.get(LOCK_DIR_ENV):
+        return Path(os.environ[LOCK_DIR_ENV])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid() and os.access(runtime, os.W_OK):
+        return Path(runtime) / "posbench-gpus"
+    return Path(tempfile.gettempdir()) / f"posbench-gpus-{os.getuid()}"
 
 
 def _cuda_initialised() -> bool:
@@ -92,37 +110,94 @@ def _cuda_initialised() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _try_lock(path: Path):
-    """The open lock file, locked exclusively, or None when another process holds it."""
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+def _path(folder: Path, device: str, suffix: str) -> Path:
+    return folder / f"gpu-{re.sub(r'[^A-Za-z0-9_.-]', '_', device)}{suffix}"
+
+
+def _flock(path: Path, how: int):
+    """The file ``path`` (made if missing), open and ``flock``-ed ``how``; None when LOCK_NB and it is taken.
+
+    Opened again until the locked file is still the one at ``path``: a cleaner may have deleted it since it
+    was opened, and another process may hold a new file of that name.
+    """
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, how)
+        except BlockingIOError:
+            f.close()
+            return None
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                return f
+        except FileNotFoundError:
+            pass
         f.close()
-        return None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+
+
+def _try_lock(path: Path):
+    """The open lock file, locked exclusively, with this process's id in it; None when another process holds it."""
+    f = _flock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if f is not None:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
     return f
 
 
-def _acquire(candidates: list[str], paths: dict, poll_s: float, timeout_s: float | None):
-    """(device, locked file) for the first of ``candidates`` free, trying all every ``poll_s`` seconds."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    names, folder = ", ".join(candidates), paths[candidates[0]].parent
-    waited = False
-    while True:
+def _bound_elsewhere(folder: Path, device: str) -> bool:
+    """Whether another process is bound to ``device``: holds a shared lock on its ``.bound`` file."""
+    probe = _flock(_path(folder, device, ".bound"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if probe is not None:
+        probe.close()
+    return probe is None
+
+
+def _bind(folder: Path, device: str) -> ExitStack:
+    """Shared locks on ``device``'s ``.bound`` file and on ``folder`` (which keeps systemd-tmpfiles out), held
+    until the returned stack is closed."""
+    with ExitStack() as binding:
+        fd = os.open(folder, os.O_RDONLY)
+        binding.callback(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        binding.enter_context(_flock(_path(folder, device, ".bound"), fcntl.LOCK_SH))
+        return binding.pop_all()
+
+
+def _take(folder: Path, candidates: list[str], fresh: bool):
+    """(device, locked file) for the first free one of ``candidates``, with this process bound to it; or None.
+
+    A ``fresh`` process (bound to no GPU) tries only the devices no other process is bound to, unless every
+    one is. It chooses under an exclusive lock on ``choose.lock``, so fresh processes choose one at a time:
+    none mistakes another's test of a ``.bound`` file for a binding, and each sees the bindings made before.
+    """
+    global _binding
+    with _flock(folder / "choose.lock", fcntl.LOCK_EX) if fresh else nullcontext():
+        if fresh:
+            candidates = [d for d in candidates if not _bound_elsewhere(folder, d)] or candidates
         for device in candidates:
-            lock = _try_lock(paths[device])
+            lock = _try_lock(_path(folder, device, ".lock"))
             if lock is not None:
+                if _binding is None:
+                    _binding = _bind(folder, device)
                 return device, lock
+    return None
+
+
+def _acquire(folder: Path, candidates: list[str], fresh: bool, poll_s: float, timeout_s: float | None):
+    """:func:`_take` every ``poll_s`` seconds until it takes a device."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    names = ", ".join(candidates)
+    waited = False
+    while (taken := _take(folder, candidates, fresh)) is None:
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"no GPU of {names} came free in {timeout_s} s (locks in {folder})")
         if not waited:
             log.info("waiting for a free GPU among %s (locks in %s)", names, folder)
             waited = True
         time.sleep(poll_s)
+    return taken
 
 
 @contextmanager
@@ -132,7 +207,8 @@ def hold_gpu(lock_dir: str | Path | None = None, devices: Sequence[str] | None =
 
     Enter it before anything initialises CUDA. Inside the block ``CUDA_VISIBLE_DEVICES`` is the held
     device alone; on exit the lock is released and ``CUDA_VISIBLE_DEVICES`` restored. Re-entrant:
-    a nested call yields the device already held.
+    a nested call yields the device already held. A process in which CUDA is initialised waits for the
+    device it held last; another takes a device no other process is bound to while there is a free one.
 
     Args:
         lock_dir: folder of the per-device lock files (made if missing); default :func:`default_lock_dir`.
@@ -144,7 +220,7 @@ def hold_gpu(lock_dir: str | Path | None = None, devices: Sequence[str] | None =
         TimeoutError: no device came free within ``timeout_s``.
         OSError: the lock folder or a lock file cannot be made or opened.
     """
-    global _held, _last
+    global _held, _last, _binding
     if _held is not None:
         yield _held
         return
@@ -152,14 +228,11 @@ def hold_gpu(lock_dir: str | Path | None = None, devices: Sequence[str] | None =
     if not devices:
         yield None
         return
-    if _last is not None and _cuda_initialised():
-        candidates = [_last]  # CUDA is bound to that device in this process: wait for it
-    else:
-        candidates = sorted(devices, key=lambda d: d != _last)
     folder = Path(lock_dir) if lock_dir is not None else default_lock_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {d: folder / f"gpu-{re.sub(r'[^A-Za-z0-9_.-]', '_', d)}.lock" for d in candidates}
-    device, lock = _acquire(candidates, paths, poll_s, timeout_s)
+    bound = _last is not None and _cuda_initialised()  # CUDA is bound to that device in this process: wait for it
+    candidates = [_last] if bound else sorted(devices, key=lambda d: d != _last)
+    device, lock = _acquire(folder, candidates, not bound, poll_s, timeout_s)
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     _held = _last = device
@@ -175,6 +248,9 @@ def hold_gpu(lock_dir: str | Path | None = None, devices: Sequence[str] | None =
         if _cuda_initialised():
             sys.modules["torch"].cuda.empty_cache()  # hand the cached memory back before the next job takes the GPU
         lock.close()  # closing the file drops the flock
+        if not _cuda_initialised():  # no CUDA context here: the next job may take any GPU, so this process is not bound
+            _binding.close()
+            _binding = None
 
 
 def job_gpu(hydra_cfg) -> ContextManager[Optional[str]]:

@@ -6,9 +6,11 @@ preset is checked on the sbatch script submitit would submit, with sbatch itself
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,6 +114,149 @@ def test_five_jobs_share_two_gpus_one_at_a_time(monkeypatch, tmp_path):
     assert len({pid for pid, *_ in records}) == 5  # every job ran
     assert all(seen == device for _, device, seen, _, _ in records)  # each saw exactly its one GPU
     _assert_exclusive([(d, s, e) for _, d, _, s, e in records], {"gpu0", "GPU-1b2c"})
+
+
+def _work(lock_dir: str, jobs, done) -> None:
+    """A joblib worker: runs the jobs sent on ``jobs`` (seconds to hold a GPU; None ends it) one after another,
+    putting (gpu, start, end) on ``done`` after each. Its jobs "initialise CUDA", so its first GPU is its own."""
+    cuda = False
+    gpus._cuda_initialised = lambda: cuda
+    for hold_s in iter(jobs.get, None):
+        try:
+            with gpus.hold_gpu(lock_dir, poll_s=0.01, timeout_s=20) as device:
+                cuda = True
+                start = time.monotonic()
+                time.sleep(hold_s)
+                end = time.monotonic()
+        except TimeoutError as e:
+            device, start, end = repr(e), 0.0, 0.0
+        done.put((device, start, end))
+
+
+class _Worker:
+    """A :func:`_work` process: ``send`` it jobs, ``result`` gives back what each put, in order."""
+
+    def __init__(self, ctx, lock_dir) -> None:
+        self.jobs, self.done = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=_work, args=(str(lock_dir), self.jobs, self.done))
+        self.process.start()
+
+    def send(self, hold_s: float = 0.0) -> None:
+        self.jobs.put(hold_s)
+
+    def result(self) -> tuple[str, float, float]:
+        return self.done.get(timeout=60)
+
+    def run(self) -> str:
+        """Run one job and return its GPU."""
+        self.send()
+        return self.result()[0]
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.process.join(timeout=10)
+        if self.process.exitcode is None:
+            self.process.kill()
+        assert self.process.exitcode == 0
+
+
+@pytest.fixture
+def workers(tmp_path):
+    """Start ``n`` :class:`_Worker` processes on the locks in ``tmp_path``; they are stopped after the test."""
+    started = []
+
+    def start(n: int) -> list[_Worker]:
+        started.extend(_Worker(mp.get_context("spawn"), tmp_path) for _ in range(n))
+        return started[-n:]
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def test_a_fresh_worker_takes_a_gpu_no_worker_is_bound_to(monkeypatch, workers):
+    """Worker A ran a job on GPU a, and its CUDA context stays there. Both GPUs are free when worker B starts:
+    B must take b, not a, or A's next job would wait for a while b idles."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "a,b")  # spawned children inherit it
+    first, second = workers(2)
+    assert first.run() == "a"
+    assert second.run() == "b"
+    assert first.run() == "a" and second.run() == "b"
+
+
+def test_more_workers_than_gpus_share_the_bound_ones(monkeypatch, workers):
+    """Three workers on two GPUs: once both GPUs are bound, the third worker takes a bound one, and the
+    workers bound to a GPU take turns on it; every job runs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "a,b")
+    started = workers(3)
+    own = [worker.run() for worker in started]  # one at a time: each is bound to the GPU of its first job
+    assert own[:2] == ["a", "b"] and own[2] in {"a", "b"}
+    for _ in range(2):
+        for worker in started:  # then all at once, twice
+            worker.send(0.2)
+    runs = [(own[i], worker.result()) for i, worker in enumerate(started) for _ in range(2)]
+    assert all(device == gpu for gpu, (device, _, _) in runs), runs
+    _assert_exclusive([(device, start, end) for _, (device, start, end) in runs], {"a", "b"})
+
+
+def test_a_lock_on_a_deleted_lock_file_is_not_trusted(monkeypatch, tmp_path):
+    """A cleaner deletes gpu-a.lock after hold_gpu opened it, and another process makes and locks a new
+    gpu-a.lock: the old file's lock comes free at once but guards nothing, so hold_gpu must not hold a."""
+    path = tmp_path / "gpu-a.lock"
+    flock, other = fcntl.flock, []
+
+    def flock_after_a_clean(f, how):
+        if getattr(f, "name", None) == str(path) and not other:
+            os.unlink(path)
+            other.append(open(path, "a+"))
+            flock(other[0], fcntl.LOCK_EX)
+        flock(f, how)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_clean)
+    try:
+        with pytest.raises(TimeoutError):
+            with gpus.hold_gpu(tmp_path, devices=["a"], poll_s=0.01, timeout_s=0.1):
+                pass
+    finally:
+        other[0].close()
+
+
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="needs systemd-tmpfiles")
+def test_systemd_tmpfiles_keeps_the_locks_of_a_held_gpu(tmp_path):
+    """An age-based clean of the temp folder (systemd-tmpfiles, as for /tmp) keeps the lock folder while a
+    GPU is held, so no other process can make a new gpu-a.lock and hold a too."""
+    temp, config = tmp_path / "tmp", tmp_path / "clean.conf"
+    locks = temp / "posbench-gpus"
+    config.write_text(f"d {temp} - - - mM:1h\n")  # by modification time alone: a ctime cannot be set back
+    with gpus.hold_gpu(locks, devices=["a"]):
+        (temp / "stale").touch()
+        for path in [temp / "stale", *locks.iterdir(), locks]:
+            os.utime(path, (0, 0))  # last touched in 1970
+        clean = subprocess.run(["systemd-tmpfiles", "--clean", str(config)], capture_output=True, text=True, timeout=30)
+        if (temp / "stale").exists():
+            pytest.skip(f"this systemd-tmpfiles cannot age files by mtime alone: {clean.stderr.strip()}")
+        assert (locks / "gpu-a.lock").exists()
+        assert gpus._try_lock(locks / "gpu-a.lock") is None
+
+
+def test_default_lock_dir(monkeypatch, tmp_path):
+    """$POSBENCH_GPU_LOCK_DIR, else $XDG_RUNTIME_DIR when it is a writable folder of the user's own, else tmp."""
+    import tempfile
+
+    monkeypatch.delenv(gpus.LOCK_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert gpus.default_lock_dir() == tmp_path / "posbench-gpus"
+    monkeypatch.setenv(gpus.LOCK_DIR_ENV, str(tmp_path / "mine"))
+    assert gpus.default_lock_dir() == tmp_path / "mine"
+    monkeypatch.delenv(gpus.LOCK_DIR_ENV)
+    tmp = os.path.join(tempfile.gettempdir(), f"posbench-gpus-{os.getuid()}")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "missing"))
+    assert str(gpus.default_lock_dir()) == tmp
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert str(gpus.default_lock_dir()) == tmp
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)  # someone else's folder
+    assert str(gpus.default_lock_dir()) == os.path.join(tempfile.gettempdir(), f"posbench-gpus-{os.getuid()}")
 
 
 def test_job_gpu_holds_only_under_joblib(monkeypatch, tmp_path):
