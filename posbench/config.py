@@ -78,6 +78,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between training checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest training checkpoints kept
     compile: bool = False  # torch.compile the model (no gain seen on CPU; falls back to eager on failure)
+    sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
 
 @dataclass
@@ -108,6 +109,7 @@ class PosbenchConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
     resume: str = "auto"  # auto: continue from the run folder's newest valid checkpoint; never: start over
+    resume_any_world_size: bool = False  # resume under another torchrun world size (recorded as world_sizes)
 
 
 _SCHEMAS: dict[str, type] = {}  # scheme name → its schema, built once per scheme class
@@ -249,6 +251,8 @@ def finalize(cfg: DictConfig, schemes=None) -> DictConfig:
             raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
     if cfg.resume not in ("auto", "never"):
         raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
+    if t.sync_every is not None:
+        _positive("train.sync_every", t.sync_every)
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     if e.protocol not in PROTOCOLS:

@@ -72,8 +72,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-def finish() -> None:
-    """Leave the process group together: a barrier, then destroy it (ranks that exit on their own can abort)."""
+def main_only(fn):
+    """Call ``fn()`` on rank 0 alone and return its result there (None elsewhere); if it raises, every rank
+    raises that exception, so no rank is left waiting in a collective for one that has stopped.
+
+    A sync point for every rank (a broadcast of rank 0's exception or None), like :func:`barrier`.
+    """
+    error, result = None, None
+    if rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - handed to every rank, then raised
+            error = e
+    error = broadcast(error)
+    if error is not None:
+        raise error
+    return result
+
+
+def finish(together: bool = True) -> None:
+    """Leave the process group (a no-op without one). ``together``: all ranks reach this point on the same
+    path (a finished, failed or preempted run: a barrier first, so none leaves while another still needs it);
+    else leave at once, as a rank stopped by an unforeseen error must (the others may never get here)."""
     if dist.is_initialized():
-        dist.barrier()
+        if together:
+            dist.barrier()
         dist.destroy_process_group()

@@ -37,7 +37,7 @@ from posbench.tracking import Tracker
 log = logging.getLogger("posbench")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR2 after saving a checkpoint; re-run to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # a scheduler's stop, and SLURM's warning (--signal=USR2@…)
-RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
+RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
              "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
@@ -71,6 +71,35 @@ def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len
     starts = np.random.default_rng([seed, step, rank]).integers(0, len(tokens) - seq_len - 1, batch_size)
     crops = torch.from_numpy(np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64))  # (B, L+1)
     return crops[:, :-1], crops[:, 1:]
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Give torch's global generator (dropout) a stream of its own on each rank, as nanoGPT offsets its seed by
+    rank; rank 0 keeps the stream of a single-process run. Call it after the model is built, so the weights are
+    the same on every rank. Rank r > 0 is seeded with a 63-bit number drawn from SeedSequence([seed, r])."""
+    if rank:
+        torch.manual_seed(int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1))
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's torch generator states: ``torch`` (CPU) and ``cuda`` (None off CUDA), as ByteTensors."""
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(rng: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def sync_steps(losses: list[torch.Tensor], norms: list[torch.Tensor], stop: bool) -> tuple[list[float], list[float], bool]:
+    """The one host sync of a window of steps: each step's loss averaged over ranks, each step's gradient norm
+    (the same on every rank after DDP's all-reduce), and whether any rank asked to stop. One all-reduce of
+    k + 1 numbers for k steps, where checking each step would cost two all-reduces and several syncs a step."""
+    flag = torch.tensor([float(stop)], device=losses[0].device)
+    summed = dist.all_reduce_sum(torch.cat([torch.stack(losses).float(), flag])).cpu()  # (k + 1,)
+    return (summed[:-1] / dist.world()).tolist(), torch.stack(norms).float().cpu().tolist(), bool(summed[-1])
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -121,7 +150,8 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
     Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
     naming the changed keys. A changed ``train.steps`` is refused too, naming both numbers: the learning-rate
     schedule is a function of it, so a shorter or longer run is not the same run continued. So is a different
-    number of processes (torchrun world size) than the state was trained by, naming both."""
+    number of processes (torchrun world size) than the state was trained by, naming both, unless
+    ``cfg.resume_any_world_size`` is true."""
     state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
     if state is not None:
         changed = changed_keys(state["config"], to_dict(cfg))
@@ -134,11 +164,12 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
             raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
                               "use a new run folder, or resume=never to start over here")
         saved, world = state.get("world_size"), dist.world()  # states written before it was recorded: unknown
-        if saved is not None and saved != world:
+        if saved is not None and saved != world and not cfg.resume_any_world_size:
             raise ConfigError(f"{out_dir} holds a checkpoint trained by {saved} processes (torchrun ranks) and this "
                               f"run has {world}: the global batch (train.batch_size × ranks), its contents and the "
-                              f"effective learning rate would change mid-run; resume with {saved} processes, or "
-                              "resume=never to start over here")
+                              f"effective learning rate would change mid-run; resume with {saved} processes, pass "
+                              f"resume_any_world_size=true to go on with {world} (results.json records the change "
+                              "as world_sizes), or resume=never to start over here")
     return state
 
 
@@ -188,13 +219,12 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     torch.manual_seed(cfg.seed)
     quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not main
     config = to_dict(cfg)
-    corpus = check_data(cfg) if main else None  # rank 0 first; data.prepare builds once per machine anyway
-    dist.barrier()
-    corpus = corpus or check_data(cfg)
+    corpus = dist.main_only(lambda: check_data(cfg)) or check_data(cfg)  # rank 0 builds the cache, the others read it
 
     model = checkpoint.build_model(checkpoint.model_spec(config, corpus.vocab_size)).to(device)
+    seed_rank(cfg.seed, rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
-    step0, seen, wall0 = 0, 0, 0.0
+    step0, seen, wall0, world_sizes = 0, 0, 0.0, [[0, world]]  # world_sizes: [first step, processes] per stretch
     state = resume_state(cfg, out_dir)
     if cfg.resume == "never" and main:  # start over: the old states must not outrank the new ones
         for old in (out_dir / checkpoint.STATES).glob("step-*"):
@@ -202,37 +232,47 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        by_rank = state.get("rng_by_rank") or [state["rng"]]  # states from before per-rank streams: rank 0's
+        if rank < len(by_rank):  # (a rank the state did not have keeps its fresh stream)
+            set_rng_state(by_rank[rank], device)
         step0, seen, wall0 = state["step"], state["train_tokens"], state["train_seconds"]
+        world_sizes = state.get("world_sizes") or [[0, state.get("world_size") or world]]
+        if world_sizes[-1][1] != world:  # allowed by resume_any_world_size=true
+            world_sizes.append([step0, world])
         log.info("resumed from the checkpoint at step %d in %s", step0, out_dir / checkpoint.STATES)
-    if main:
-        checkpoint.check_room(out_dir / checkpoint.STATES, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
+    nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.main_only(lambda: checkpoint.check_room(out_dir / checkpoint.STATES, nbytes))
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     fwd = _compiled(net) if t.compile else net
+    sync_every = t.sync_every or (1 if device.type == "cpu" else 16)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s",
              cfg.scheme.name, f"{n_params:,}", t.seq_len, t.steps, t.batch_size, world, device, threads, corpus.root)
 
-    def save_state(step: int) -> None:
-        if main:
-            checkpoint.save_state(out_dir, {
-                "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start, "loss": loss.item(),
-                "world_size": world,
-                "config": config}, t.keep_checkpoints)
-        dist.barrier()
+    def save_state(step: int, loss: float) -> None:
+        rngs = dist.gather(rng_state(device))
+        dist.main_only(lambda: checkpoint.save_state(out_dir, {
+            "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "rng": rngs[0], "rng_by_rank": rngs, "train_tokens": seen,
+            "train_seconds": wall0 + time.perf_counter() - start, "loss": loss, "world_size": world,
+            "world_sizes": world_sizes, "config": config}, t.keep_checkpoints))
 
-    preempted = []  # (signal number, frame) of each stop signal; handled at the end of the step
+    def fail(step: int, what: str) -> None:
+        message = f"non-finite {what} at step {step}; the last good checkpoint is kept"
+        dist.main_only(lambda: report.write_results(out_dir, {"format": report.FORMAT, "status": "failed", "error": message,
+                                                               "step": step, "results": [], "config": config}))
+        tracker.summary(status="failed", failed_step=step)
+        raise TrainingFailed(message)
+
+    preempted = []  # (signal number, frame) of each stop signal; handled at the next host sync
     previous = {s: signal.signal(s, lambda *sig: preempted.append(sig)) for s in STOP_SIGNALS}
-    metrics = _metrics_file(out_dir, step0) if main else None
+    metrics, logged = _metrics_file(out_dir, step0) if main else (None, 0)
     bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
     start = time.perf_counter()
-    loss = torch.tensor((state or {}).get("loss", float("nan")))  # the last step's loss (mean over ranks)
+    last_loss = (state or {}).get("loss", math.nan)  # the last synced step's loss (mean over ranks)
+    window = []  # (step, lr, loss, grad_norm) of the steps since the last host sync; losses and norms on the device
     try:
         for step in range(step0, t.steps):
             lr = t.lr * lr_factor(step, t.warmup_steps, t.steps, t.min_lr / t.lr)
@@ -244,35 +284,37 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
-            shown = dist.all_reduce_sum(loss.detach().clone()) / world  # (the mean over ranks)
-            if not (torch.isfinite(shown) and torch.isfinite(grad_norm)):
-                message = f"non-finite {'loss' if not torch.isfinite(shown) else 'gradient'} at step {step + 1}; the last good checkpoint is kept"
-                if main:
-                    report.write_results(out_dir, {"format": report.FORMAT, "status": "failed", "error": message,
-                                                   "step": step + 1, "results": [], "config": config})
-                    tracker.summary(status="failed", failed_step=step + 1)
-                raise TrainingFailed(message)
-            optimizer.step()
-            loss = shown
+            optimizer.step()  # a non-finite step is found at the sync below, before any checkpoint is saved
             seen += x.numel() * world
+            window.append((step + 1, lr, loss.detach(), grad_norm.detach()))
+            done = step + 1
+            checkpoint_due = bool(t.checkpoint_every) and done % t.checkpoint_every == 0 and done < t.steps
+            if len(window) < sync_every and not checkpoint_due and done < t.steps:
+                continue
+            losses, norms, stop = sync_steps([w[2] for w in window], [w[3] for w in window], bool(preempted))
             tok_s = (seen - (state or {}).get("train_tokens", 0)) / (time.perf_counter() - start)
-            row = {"step": step + 1, "loss": shown.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tok_s}
-            if main:
-                metrics.write(json.dumps(row) + "\n")
-                tracker.log_train(step + 1, **{k: v for k, v in row.items() if k != "step"})
-            bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
-            bar.update()
-            if quiet and main and (step % t.log_every == 0 or step == t.steps - 1):
-                log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", step + 1, t.steps, row["loss"], lr, row["grad_norm"], tok_s)
-            if dist.all_reduce_sum(torch.tensor([float(bool(preempted))], device=device)).item():  # any rank
-                save_state(step + 1)
+            for (s, lr_s, _, _), step_loss, norm in zip(window, losses, norms):
+                if not (math.isfinite(step_loss) and math.isfinite(norm)):
+                    fail(s, "loss" if not math.isfinite(step_loss) else "gradient")
+                row = {"step": s, "loss": step_loss, "lr": lr_s, "grad_norm": norm, "tokens_per_s": tok_s}
+                if main:
+                    metrics.write(json.dumps(row) + "\n")
+                    if s > logged:  # wandb already has the steps a killed run logged after its last checkpoint
+                        tracker.log_train(s, **{k: v for k, v in row.items() if k != "step"})
+                if quiet and main and ((s - 1) % t.log_every == 0 or s == t.steps):
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", s, t.steps, step_loss, lr_s, norm, tok_s)
+            last_loss, window = losses[-1], []
+            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            bar.update(done - bar.n)
+            if stop:  # a stop signal reached some rank
+                save_state(done, last_loss)
                 signum, frame = preempted[0] if preempted else (signal.SIGTERM, None)  # (another rank's signal)
                 if signum == signal.SIGUSR2 and callable(previous[signum]):  # the handler there first (submitit's
                     previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
-                raise Preempted(f"{signal.Signals(signum).name} at step {step + 1}: checkpoint saved in "
+                raise Preempted(f"{signal.Signals(signum).name} at step {done}: checkpoint saved in "
                                 f"{out_dir / checkpoint.STATES}; re-run the same command to resume")
-            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                save_state(step + 1)
+            if checkpoint_due:
+                save_state(done, last_loss)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -281,7 +323,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             metrics.close()
     wall = wall0 + time.perf_counter() - start
     if step0 < t.steps:
-        save_state(t.steps)
+        save_state(t.steps, last_loss)
     digests = dist.gather(_param_digest(model))
     if len(set(digests)) > 1:
         raise TrainingFailed(f"parameters differ across ranks after training: {digests}")
@@ -289,32 +331,37 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
     record = report.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split),
-                           train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world, status="complete",
-                           final_loss=loss.item() if torch.isfinite(loss) else None,
+                           train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world,
+                           world_sizes=world_sizes, status="complete",
+                           final_loss=last_loss if math.isfinite(last_loss) else None,
                            param_sha256=digests, resumed_from=step0 or None)
-    if main:
+
+    def write_outputs() -> None:
         tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
         checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
         report.write_results(out_dir, record)
         tracker.log_eval(rows)
         print(report.run_table(record), flush=True)
+
+    dist.main_only(write_outputs)
     return record
 
 
 def _metrics_file(out_dir: Path, step0: int):
-    """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped."""
-    path = out_dir / "metrics.jsonl"
+    """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped; and the
+    last step it held, whose metrics a killed run already sent to wandb (0 when none)."""
+    path, last = out_dir / "metrics.jsonl", 0
     if path.exists():
         keep = []
         for line in path.read_text().splitlines():
             try:
-                if json.loads(line)["step"] > step0:
-                    break
+                last = max(last, json.loads(line)["step"])
             except (json.JSONDecodeError, KeyError, TypeError):
                 break  # a torn last row (power loss, full disk): it and anything after it go
-            keep.append(line)
+            if last <= step0:
+                keep.append(line)
         path.write_text("".join(line + "\n" for line in keep))
-    return open(path, "a", buffering=1)
+    return open(path, "a", buffering=1), last
 
 
 def _compiled(net: torch.nn.Module):

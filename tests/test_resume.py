@@ -218,8 +218,10 @@ def test_torn_last_metrics_row_does_not_stop_a_resume(tmp_path):
     """A crash mid-write (power loss, full disk) can leave half a row at the end of metrics.jsonl."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)) + '{"step": 11, "lo')
-    train_mod._metrics_file(tmp_path, 8).close()
+    f, logged = train_mod._metrics_file(tmp_path, 8)
+    f.close()
     assert steps_of(tmp_path) == list(range(1, 9))
+    assert logged == 10  # steps 9 and 10 reached wandb before the crash: not sent again
     assert path.read_text().endswith("}\n")
 
 

@@ -1,6 +1,9 @@
 """Checks that must hold in production, not only under a debugger (issue: cluster robustness, item 7): the
 evaluation's coverage invariant is a real error (``python -O`` strips asserts), and ``train.compile`` falls
-back to eager only when the first compiled call fails, never silently later."""
+back to eager only when the first compiled call fails, never silently later; and syncing with the host
+every k steps changes no number."""
+
+import json
 
 import numpy as np
 import pytest
@@ -45,3 +48,27 @@ def test_compile_falls_back_to_eager_only_at_the_first_call(monkeypatch):
     assert [fwd(0), fwd(0)] == ["compiled", "compiled"]
     with pytest.raises(RuntimeError, match="compiled call 3 failed"):  # a later error is the step's, not a fallback
         fwd(0)
+
+
+def test_syncing_every_4_steps_logs_the_numbers_of_syncing_every_step(tmp_path, tmp_path_factory, torch_state):
+    """train.sync_every only changes when the host looks: losses, gradient norms and learning rates per step
+    are the same, bit for bit, as with a sync after every step."""
+    from hydra import compose, initialize_config_module
+
+    from posbench.config import register
+
+    register()
+    cache = tmp_path_factory.getbasetemp() / "posbench-data"  # the session's data folder (test_resume's too)
+    rows = {}
+    for k in (1, 4):
+        with initialize_config_module("posbench.conf", version_base="1.3"):
+            cfg = compose("train", overrides=["debug=fast", f"data.cache_dir={cache}", "train.steps=6", "train.threads=1",
+                                              "wandb.enabled=false", f"train.sync_every={k}", "eval.lengths=[32]",
+                                              "eval.max_tokens=64"])
+        run = tmp_path / f"sync{k}"
+        run.mkdir()
+        train.train(cfg, run)
+        rows[k] = [{key: v for key, v in json.loads(line).items() if key != "tokens_per_s"}
+                   for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[4]] == [1, 2, 3, 4, 5, 6]
+    assert rows[4] == rows[1]

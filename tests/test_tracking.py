@@ -180,3 +180,22 @@ def test_a_rerun_in_the_same_folder_continues_the_same_wandb_run(tmp_path, cache
     assert len(files) == 2
     ids = {run_record(read_wandb_records(f)).run_id for f in files}
     assert ids == {(run / "wandb" / "run-id").read_text().strip()}
+
+
+def test_a_resumed_run_sends_each_training_step_to_wandb_once(tmp_path, cache):
+    """A run killed after step 8 with its last checkpoint at step 4 (simulated: the step-8 state deleted) resumes
+    from 4; steps 5…8, which wandb already has from before the kill, are not logged a second time."""
+    from posbench import checkpoint
+
+    run = tmp_path / "run"
+    args = ("train", "debug=fast", "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={run}",
+            f"data.cache_dir={cache}")
+    posbench(*args, cwd=tmp_path)
+    for path in (run / checkpoint.STATES).glob("step-00000008.pt*"):
+        path.unlink()
+    posbench(*args, cwd=tmp_path)
+    files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
+    assert len(files) == 2
+    steps = [[row["trainer/step"] for row in history(read_wandb_records(f)) if "trainer/step" in row] for f in files]
+    assert steps == [list(range(1, 9)), []]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
