@@ -51,9 +51,8 @@ ARGS = ["debug=fast", f"train.steps={STEPS}", "train.checkpoint_every=0", "train
 # ---- helpers (module-level functions are pickled by value with the job's callable) ----------------
 
 
-def rows(run: Path) -> list[dict]:
-    """metrics.jsonl rows; a last line still being written is skipped."""
-    path = Path(run) / "metrics.jsonl"
+def journal(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (the job's journal, see PosbenchTrain); a last line still being written is skipped."""
     out = []
     for line in (path.read_text().splitlines() if path.exists() else []):
         try:
@@ -61,6 +60,11 @@ def rows(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             break
     return out
+
+
+def rows(run: Path) -> list[dict]:
+    """metrics.jsonl rows; a last line still being written is skipped."""
+    return journal(Path(run) / "metrics.jsonl")
 
 
 def valid_states(run: Path) -> list[int]:
@@ -70,17 +74,6 @@ def valid_states(run: Path) -> list[int]:
         sha = path.with_name(path.name + ".sha256")
         if sha.exists() and sha.read_text().strip() == hashlib.sha256(path.read_bytes()).hexdigest():
             out.append(int(path.stem.split("-")[1]))
-    return out
-
-
-def journal(path: Path) -> list[dict]:
-    """The job's journal (see PosbenchTrain); a last line still being written is skipped."""
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
     return out
 
 
