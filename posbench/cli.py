@@ -103,7 +103,8 @@ def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[s
 
 def _check_train(cfg: DictConfig, multirun: bool) -> None:
     """Values, data, and (a single run into an existing folder) that its checkpoint is of the same config."""
-    from posbench.train import check_data, resume_state
+    from posbench.resume import resume_state
+    from posbench.train import check_data
 
     hydra_cfg = _pop_hydra(cfg)
     check_data(finalize(cfg, SCHEMES))

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import checkpoint, data, dist, report
+from posbench import checkpoint, data, dist, report, resume
 from posbench.config import ConfigError, check_device, finalize, to_dict
 from posbench.evaluate import evaluate, span
 from posbench.positional import SCHEMES
@@ -37,8 +37,6 @@ from posbench.tracking import Tracker
 log = logging.getLogger("posbench")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR2 after saving a checkpoint; re-run to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # a scheduler's stop, and SLURM's warning (--signal=USR2@…)
-RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
-             "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
 class TrainingFailed(RuntimeError):
@@ -81,18 +79,6 @@ def seed_rank(seed: int, rank: int) -> None:
         torch.manual_seed(int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1))
 
 
-def rng_state(device: torch.device) -> dict:
-    """This process's torch generator states: ``torch`` (CPU) and ``cuda`` (None off CUDA), as ByteTensors."""
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(rng: dict, device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(rng["torch"])
-    if device.type == "cuda" and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"], device)
-
-
 def sync_steps(losses: list[torch.Tensor], norms: list[torch.Tensor], stop: bool) -> tuple[list[float], list[float], bool]:
     """The one host sync of a window of steps: each step's loss averaged over ranks, each step's gradient norm
     (the same on every rank after DDP's all-reduce), and whether any rank asked to stop. One all-reduce of
@@ -125,52 +111,11 @@ def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.
     return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), fused=fused or None)
 
 
-def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (plain dicts), excluding :data:`RESUMABLE`."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        key, a, b = prefix + k, old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += changed_keys(a, b, key + ".")
-        elif a != b and not key.startswith(RESUMABLE):
-            out.append(key)
-    return out
-
-
 def _param_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()
-
-
-def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
-    """The newest valid training state in ``out_dir`` when ``cfg.resume`` is auto, else None.
-
-    Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
-    naming the changed keys. A changed ``train.steps`` is refused too, naming both numbers: the learning-rate
-    schedule is a function of it, so a shorter or longer run is not the same run continued. So is a different
-    number of processes (torchrun world size) than the state was trained by, naming both, unless
-    ``cfg.resume_any_world_size`` is true."""
-    state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
-    if state is not None:
-        changed = changed_keys(state["config"], to_dict(cfg))
-        steps = state["config"]["train"]["steps"]
-        if "train.steps" in changed:
-            raise ConfigError(f"train.steps={cfg.train.steps} but {out_dir} holds a run of train.steps={steps} "
-                              f"(checkpoint at step {state['step']}); its cosine schedule cannot be cut short or "
-                              "extended: use a new run folder, or resume=never to start over here")
-        if changed:
-            raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
-                              "use a new run folder, or resume=never to start over here")
-        saved, world = state.get("world_size"), dist.world()  # states written before it was recorded: unknown
-        if saved is not None and saved != world and not cfg.resume_any_world_size:
-            raise ConfigError(f"{out_dir} holds a checkpoint trained by {saved} processes (torchrun ranks) and this "
-                              f"run has {world}: the global batch (train.batch_size × ranks), its contents and the "
-                              f"effective learning rate would change mid-run; resume with {saved} processes, pass "
-                              f"resume_any_world_size=true to go on with {world} (results.json records the change "
-                              "as world_sizes), or resume=never to start over here")
-    return state
 
 
 def check_data(cfg: DictConfig) -> data.Corpus:
@@ -225,20 +170,12 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     seed_rank(cfg.seed, rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
     optimizer = make_optimizer(model, t, fused=device.type == "cuda")
     step0, seen, wall0, world_sizes = 0, 0, 0.0, [[0, world]]  # world_sizes: [first step, processes] per stretch
-    state = resume_state(cfg, out_dir)
+    state = resume.resume_state(cfg, out_dir)
     if cfg.resume == "never" and main:  # start over: the old states must not outrank the new ones
         for old in (out_dir / checkpoint.STATES).glob("step-*"):
             old.unlink()
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        by_rank = state.get("rng_by_rank") or [state["rng"]]  # states from before per-rank streams: rank 0's
-        if rank < len(by_rank):  # (a rank the state did not have keeps its fresh stream)
-            set_rng_state(by_rank[rank], device)
-        step0, seen, wall0 = state["step"], state["train_tokens"], state["train_seconds"]
-        world_sizes = state.get("world_sizes") or [[0, state.get("world_size") or world]]
-        if world_sizes[-1][1] != world:  # allowed by resume_any_world_size=true
-            world_sizes.append([step0, world])
+        step0, seen, wall0, world_sizes = resume.restore(state, model, optimizer, device)
         log.info("resumed from the checkpoint at step %d in %s", step0, out_dir / checkpoint.STATES)
     nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     dist.main_only(lambda: checkpoint.check_room(out_dir / checkpoint.STATES, nbytes))
@@ -250,7 +187,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
              cfg.scheme.name, f"{n_params:,}", t.seq_len, t.steps, t.batch_size, world, device, threads, corpus.root)
 
     def save_state(step: int, loss: float) -> None:
-        rngs = dist.gather(rng_state(device))
+        rngs = dist.gather(resume.rng_state(device))
         dist.main_only(lambda: checkpoint.save_state(out_dir, {
             "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "rng": rngs[0], "rng_by_rank": rngs, "train_tokens": seen,
@@ -266,7 +203,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     preempted = []  # (signal number, frame) of each stop signal; handled at the next host sync
     previous = {s: signal.signal(s, lambda *sig: preempted.append(sig)) for s in STOP_SIGNALS}
-    metrics, logged = _metrics_file(out_dir, step0) if main else (None, 0)
+    metrics, logged = resume.metrics_file(out_dir, step0) if main else (None, 0)
     bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
@@ -345,23 +282,6 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     dist.main_only(write_outputs)
     return record
-
-
-def _metrics_file(out_dir: Path, step0: int):
-    """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped; and the
-    last step it held, whose metrics a killed run already sent to wandb (0 when none)."""
-    path, last = out_dir / "metrics.jsonl", 0
-    if path.exists():
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                last = max(last, json.loads(line)["step"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                break  # a torn last row (power loss, full disk): it and anything after it go
-            if last <= step0:
-                keep.append(line)
-        path.write_text("".join(line + "\n" for line in keep))
-    return open(path, "a", buffering=1), last
 
 
 def _compiled(net: torch.nn.Module):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posbench import checkpoint, data
+from posbench import checkpoint, data, resume
 from posbench import train as train_mod
 
 TIMEOUT = 300  # seconds: a CLI run that takes longer is a hang
@@ -218,7 +218,7 @@ def test_torn_last_metrics_row_does_not_stop_a_resume(tmp_path):
     """A crash mid-write (power loss, full disk) can leave half a row at the end of metrics.jsonl."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)) + '{"step": 11, "lo')
-    f, logged = train_mod._metrics_file(tmp_path, 8)
+    f, logged = resume.metrics_file(tmp_path, 8)
     f.close()
     assert steps_of(tmp_path) == list(range(1, 9))
     assert logged == 10  # steps 9 and 10 reached wandb before the crash: not sent again
@@ -494,7 +494,7 @@ def test_a_different_world_size_is_refused(cache, tmp_path):
     """A state trained by 2 torchrun ranks does not resume in 1 process: the global batch, its contents and the
     effective learning rate would change mid-run. Refused, naming both; the same world size resumes."""
     from posbench.config import ConfigError, finalize, to_dict
-    from posbench.train import resume_state
+    from posbench.resume import resume_state
 
     cfg = finalize(compose(cache))
     state = {"format": checkpoint.FORMAT, "step": 4, "model": {"w": torch.zeros(2)}, "config": to_dict(cfg), "world_size": 2}

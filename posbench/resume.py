@@ -1,0 +1,108 @@
+"""What a run folder's training state lets a new run do, and what it hands over.
+
+``posbench train`` in a folder that holds training states (``resume=auto``) continues the newest valid one:
+:func:`resume_state` finds it and refuses a run it cannot honour (a changed config, ``train.steps`` or
+torchrun world size); :func:`restore` loads it, with every rank's generator state; :func:`metrics_file`
+drops the ``metrics.jsonl`` rows logged after it. The rules are in docs/design.md §5.4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from posbench import checkpoint, dist
+from posbench.config import ConfigError, to_dict
+
+RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
+             "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (plain dicts), excluding :data:`RESUMABLE`."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        key, a, b = prefix + k, old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, key + ".")
+        elif a != b and not key.startswith(RESUMABLE):
+            out.append(key)
+    return out
+
+
+def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
+    """The newest valid training state in ``out_dir`` when ``cfg.resume`` is auto, else None.
+
+    Raises ConfigError when that state was trained with another config (other than :data:`RESUMABLE` keys),
+    naming the changed keys. A changed ``train.steps`` is refused too, naming both numbers: the learning-rate
+    schedule is a function of it, so a shorter or longer run is not the same run continued. So is a different
+    number of processes (torchrun world size) than the state was trained by, naming both, unless
+    ``cfg.resume_any_world_size`` is true."""
+    state = checkpoint.latest_state(out_dir) if cfg.resume == "auto" else None
+    if state is not None:
+        changed = changed_keys(state["config"], to_dict(cfg))
+        steps = state["config"]["train"]["steps"]
+        if "train.steps" in changed:
+            raise ConfigError(f"train.steps={cfg.train.steps} but {out_dir} holds a run of train.steps={steps} "
+                              f"(checkpoint at step {state['step']}); its cosine schedule cannot be cut short or "
+                              "extended: use a new run folder, or resume=never to start over here")
+        if changed:
+            raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
+                              "use a new run folder, or resume=never to start over here")
+        saved, world = state.get("world_size"), dist.world()  # states written before it was recorded: unknown
+        if saved is not None and saved != world and not cfg.resume_any_world_size:
+            raise ConfigError(f"{out_dir} holds a checkpoint trained by {saved} processes (torchrun ranks) and this "
+                              f"run has {world}: the global batch (train.batch_size × ranks), its contents and the "
+                              f"effective learning rate would change mid-run; resume with {saved} processes, pass "
+                              f"resume_any_world_size=true to go on with {world} (results.json records the change "
+                              "as world_sizes), or resume=never to start over here")
+    return state
+
+
+def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    """Load a training state into ``model``, ``optimizer`` and this rank's generators; return (step, tokens seen,
+    training seconds, world_sizes), where ``world_sizes`` lists [first step, processes] for each stretch of the
+    run, this one's included. A rank the state has no generator state for (states from before per-rank
+    streams hold rank 0's only; a larger world size) keeps the stream it has."""
+    rank, world = dist.rank(), dist.world()
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    by_rank = state.get("rng_by_rank") or [state["rng"]]
+    if rank < len(by_rank):
+        set_rng_state(by_rank[rank], device)
+    world_sizes = state.get("world_sizes") or [[0, state.get("world_size") or world]]
+    if world_sizes[-1][1] != world:  # allowed by resume_any_world_size=true
+        world_sizes = [*world_sizes, [state["step"], world]]
+    return state["step"], state["train_tokens"], state["train_seconds"], world_sizes
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's torch generator states: ``torch`` (CPU) and ``cuda`` (None off CUDA), as ByteTensors."""
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(rng: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def metrics_file(out_dir: Path, step0: int):
+    """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped; and the
+    last step it held, whose metrics a killed run already sent to wandb (0 when none)."""
+    path, last = out_dir / "metrics.jsonl", 0
+    if path.exists():
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, json.loads(line)["step"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a torn last row (power loss, full disk): it and anything after it go
+            if last <= step0:
+                keep.append(line)
+        path.write_text("".join(line + "\n" for line in keep))
+    return open(path, "a", buffering=1), last
