@@ -26,7 +26,7 @@ TIMEOUT = 180  # seconds: longer is a hang (a rank waiting in a collective for o
 COMMON = ["debug=fast", "train.threads=1", "eval.lengths=[32,64]", "eval.max_tokens=256", "train.log_every=1"]
 
 # Runs in a rank before posbench: on rank INJECT_RANK, at step INJECT_STEP, a NaN loss or a SIGTERM, or a full
-# disk; and on every rank, a line on stderr when it leaves the process group.
+# disk; and on every rank, a line on stderr when it trains a tokenizer and when it leaves the process group.
 PRELUDE = textwrap.dedent("""
     import os, signal, sys
     import torch
@@ -56,6 +56,12 @@ PRELUDE = textwrap.dedent("""
             def check_room(folder, nbytes):
                 raise checkpoint.CheckpointError(f"{str(folder)!r} has 0 MiB free (injected)")
             checkpoint.check_room = check_room
+    from posbench import data
+    train_tokenizer = data.train_tokenizer
+    def counted(*args, **kwargs):
+        print("posbench-test: training the tokenizer", file=sys.stderr, flush=True)
+        return train_tokenizer(*args, **kwargs)
+    data.train_tokenizer = counted
     leave = torch.distributed.destroy_process_group
     def destroy(*args, **kwargs):
         print("posbench-test: left the process group", file=sys.stderr, flush=True)
@@ -136,6 +142,15 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_status_2(cache, tmp_path
     assert [p.returncode for p in procs] == [2, 2], [p.stderr[-1500:] for p in procs]
     assert all("0 MiB free (injected)" in p.stderr for p in procs)
     assert left_together(procs), [p.stderr[-1500:] for p in procs]
+
+
+def test_two_ranks_on_a_cold_cache_build_it_once(tmp_path):
+    """Both ranks run the pre-flight check and the trainer; on an empty cache the corpus (BPE tokenizer and
+    token ids) is still built once, by whichever process came first, and read by the others."""
+    cold = tmp_path / "cold-cache"
+    procs = ranks(tmp_path / "run", cold, "train.steps=2")
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-1500:] for p in procs]
+    assert sum(p.stderr.count("training the tokenizer") for p in procs) == 1
 
 
 def test_checks_every_k_steps_still_report_the_exact_step(cache, tmp_path):
