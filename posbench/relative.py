@@ -292,7 +292,9 @@ class Fire(PositionalScheme):
     PyTorch's default Linear initialisation, as the paper's code. i is the query's position as the model
     gives it (0 … T−1 from the window start by default), so the bias depends on i as well as on i − j: FIRE is
     not translation-invariant. The hidden layer is unrolled in ``score_mod`` (a sum of ``mlp_width`` pointwise
-    terms), so FlexAttention's 0-d calls and the dense kernel run the same code.
+    terms), so FlexAttention's 0-d calls and the dense kernel run the same code. One FIRE serves every
+    layer, as one instance of any scheme does in posbench's model (KERPLE's and T5's reference code share
+    theirs across layers too); the paper's code gives each attention layer its own.
     """
 
     has_bias = True
