@@ -49,10 +49,15 @@ commands:
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
 
 
+class Exit(SystemExit):
+    """A deliberate exit (2: refused, 1: training failed, 75: preempted) that every torchrun rank takes at the
+    same point, so the ranks can leave the process group together; any other exit may be one rank's alone."""
+
+
 def fail(message: str) -> None:
     """Print one error line and exit with status 2."""
     print(f"posbench: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    raise Exit(2)
 
 
 def _one_line(err: Exception) -> str:
@@ -183,11 +188,11 @@ def _train(cfg: DictConfig) -> None:
             tracker.finish(exit_code=1)
             print(f"posbench: error: {e}", file=sys.stderr)
             if HydraConfig.get().mode != RunMode.MULTIRUN:
-                sys.exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
+                raise Exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
         except Preempted as e:
             tracker.finish(exit_code=EXIT_PREEMPTED)
             print(f"posbench: {e}", file=sys.stderr)
-            sys.exit(EXIT_PREEMPTED)
+            raise Exit(EXIT_PREEMPTED)
         tracker.finish()
 
 
@@ -254,10 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [f"posbench-{command}", *rest]
     try:
         task()
-    except SystemExit:  # a failed, refused or preempted run: every rank exits here with the same status
+    except Exit:  # a failed, refused or preempted run: every rank exits here with the same status
         dist.finish()
         raise
-    except BaseException:  # an unforeseen error, maybe on this rank alone: leave without waiting for the others
-        dist.finish(together=False)
+    except BaseException:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave
+        dist.finish(together=False)  # without waiting for the others
         raise
     dist.finish()

@@ -52,6 +52,13 @@ PRELUDE = textwrap.dedent("""
                 model.register_forward_hook(hook)
                 return model
             checkpoint.build_model = build_model
+        elif what == "bug":  # an error posbench does not foresee, on this rank alone
+            real = train.lr_factor
+            def lr_factor(step, *args):
+                if step == at - 1:
+                    raise RuntimeError("injected bug")
+                return real(step, *args)
+            train.lr_factor = lr_factor
         elif what == "no-room":  # rank 0 alone checks the checkpoint folder
             def check_room(folder, nbytes):
                 raise checkpoint.CheckpointError(f"{str(folder)!r} has 0 MiB free (injected)")
@@ -142,6 +149,14 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_status_2(cache, tmp_path
     assert [p.returncode for p in procs] == [2, 2], [p.stderr[-1500:] for p in procs]
     assert all("0 MiB free (injected)" in p.stderr for p in procs)
     assert left_together(procs), [p.stderr[-1500:] for p in procs]
+
+
+def test_an_unforeseen_error_on_one_rank_does_not_leave_the_other_waiting(cache, tmp_path):
+    """A bug on rank 1 alone: it exits 1 (Hydra's report of the error) without waiting in a barrier for rank 0,
+    which is inside a collective; rank 0's collective then fails on the lost peer and it exits 1 too."""
+    procs = ranks(tmp_path / "run", cache, "train.steps=6", inject=("bug", 3, 1))
+    assert [p.returncode for p in procs] == [1, 1], [p.stderr[-1500:] for p in procs]
+    assert "injected bug" in procs[1].stderr
 
 
 def test_two_ranks_on_a_cold_cache_build_it_once(tmp_path):
