@@ -156,7 +156,7 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     ``scheme_overrides`` lists them (absent when the model is the trained one as it was)."""
     from pathlib import Path
 
-    from posbench import checkpoint, data, dist, report
+    from posbench import checkpoint, data, dist, results
     from posbench.config import to_dict
     from posbench.eval_job import eval_overrides
 
@@ -167,10 +167,10 @@ def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -
     model = checkpoint.model_from(state, device, overrides)
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
-    rec = report.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
-                        train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
-                        scored_split=corpus.same_as.get(e.split, e.split), **extra)
+    rec = results.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
+                         train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
+                         scored_split=corpus.same_as.get(e.split, e.split), **extra)
     if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
-        path = report.write_results(run_dir, rec, report.new_eval_stem(run_dir, rec["label"], e.protocol, e.split))
-        print(report.run_table(rec) + f"\n\nwritten: {path}", flush=True)
+        path = results.write_results(run_dir, rec, results.new_eval_stem(run_dir, rec["label"], e.protocol, e.split))
+        print(results.run_table(rec) + f"\n\nwritten: {path}", flush=True)
     return rec

@@ -19,8 +19,8 @@ Build a scheme by name: ``build_scheme("rope", d_model=128, n_head=4, base=500.0
 :data:`SCHEMES`; ``scheme=<name> scheme.<option>=<value>`` then works on the command line.
 
 This module holds the interface, the registry, the absolute schemes (sinusoidal, learned) and ALiBi; the
-rotary family is in posbench/rotary.py and the relative-bias family in posbench/relative.py, which add their
-schemes to :data:`SCHEMES` when ``posbench`` is imported.
+rotary family is in posbench/rotary.py and the relative-bias family in posbench/t5_kerple.py (T5, KERPLE) and
+posbench/sandwich_fire.py (Sandwich, FIRE), which add their schemes to :data:`SCHEMES` when ``posbench`` is imported.
 """
 
 from __future__ import annotations
@@ -245,6 +245,16 @@ def check_base(base) -> None:
     """Raise ValueError (``base=<value>: ...``) unless ``base``, a wavelength base, is a number > 0."""
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
         raise ValueError(f"base={base!r}: the wavelength base must be a number > 0")
+
+
+def is_int(value) -> bool:
+    """``value`` is an int and not a bool (a check of a scheme's option)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """``value`` is a finite int or float and not a bool (a check of a scheme's option)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def build_scheme(name: str, d_model: int, n_head: int, **options) -> PositionalScheme:

@@ -1,9 +1,7 @@
-"""Results of runs: one run's record and files; many runs folded into tables and plots.
+"""Many runs' results folded into tables and plots (docs/design.md §8).
 
-One run writes ``results.json`` (the record: metadata, resolved config, one row per evaluation length
-with its per-position and per-window NLL) and ``results.csv`` (one row per length); each ``posbench eval``
-adds an ``eval-<label>-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. ``posbench report FOLDER...`` (and
-:class:`ReportCallback` at the end of every multirun) folds the records under the folders into:
+``posbench report FOLDER...`` (and :class:`ReportCallback` at the end of every multirun) folds the records under
+the folders (``results.json`` and ``eval-*.json``, written by :mod:`posbench.results`) into:
 
 * ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); rows =
   scheme and every other setting that differs between runs, columns = evaluation lengths, cells =
@@ -19,7 +17,6 @@ adds an ``eval-<label>-<protocol>-<split>-<n>.json``/``.csv`` pair beside them. 
 from __future__ import annotations
 
 import csv
-import itertools
 import json
 import logging
 from collections import Counter, defaultdict
@@ -31,12 +28,9 @@ from omegaconf import DictConfig
 from posbench import plots, stats
 from posbench.config import upgrade
 from posbench.positional import variant_label
+from posbench.results import READABLE, split_text
 
 log = logging.getLogger("posbench")
-FORMAT = 3  # 3: config.scheme holds the scheme's own options only; 2: rows carry window_nll / window_tokens
-READABLE = (1, 2, 3)  # older records are read too, their configs through posbench.config.upgrade
-CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
-               "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
                   "ppl", "ppl_std", "nll_mean", "nll_std", "seeds", "best", "test", "p_value", "ci_low", "ci_high",
                   "significantly_worse"]
@@ -49,74 +43,7 @@ class ReportError(ValueError):
     """Nothing to report (no folder, or no results in it); the CLI prints it as one line."""
 
 
-# ---- one run -------------------------------------------------------------------------------------
-
-
-def record(config: dict, rows: list[dict], split: str, train_tokens: int, train_seconds: float, device: str,
-           threads: int, **extra) -> dict:
-    """One run's results record: what ran (scheme, model, data, L, protocol, seed, environment) and ``rows``
-    (as :func:`posbench.evaluate.evaluate` returns them). ``extra`` adds fields, e.g. ``scored_split``: the
-    split whose files were scored when the corpus lacks ``split`` (the report reads a missing one as ``split``)."""
-    import torch
-
-    e = config["eval"]
-    return {"format": FORMAT, "scheme": config["scheme"]["name"], "label": variant_label(config["scheme"]),
-            "model": config["model"]["name"],
-            "data": config["data"]["name"], "train_length": config["train"]["seq_len"], "lengths": list(e["lengths"]),
-            "protocol": e["protocol"], "stride": e["stride"], "split": split, "seed": config["seed"],
-            "train_tokens": train_tokens, "train_seconds": round(train_seconds, 2) if train_seconds else None,
-            "tokens_per_second": round(train_tokens / train_seconds, 1) if train_seconds else None,
-            "torch": torch.__version__, "device": device, "threads": threads, **extra,
-            "results": rows, "config": config}
-
-
-def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
-    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length); return the JSON path."""
-    path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps(rec, indent=1))
-    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for row in rec["results"]:
-            w.writerow({**rec, **row})
-    return path
-
-
-def new_eval_stem(run_dir: Path, label: str, protocol: str, split: str) -> str:
-    """``eval-<label>-<protocol>-<split>-<n>`` (``×`` written ``x``) with the first n not yet taken, claimed by
-    creating ``<stem>.json`` exclusively: two evaluations started together get different files, and no file is
-    ever overwritten by another evaluation. The caller then writes the claimed (empty) file."""
-    base = f"eval-{label.replace('×', 'x')}-{protocol}-{split}"
-    for n in itertools.count(1):
-        try:
-            with open(run_dir / f"{base}-{n}.json", "x"):
-                return f"{base}-{n}"
-        except FileExistsError:
-            continue
-
-
-def _base(rec: dict) -> dict:
-    rows = rec["results"]
-    return next((r for r in rows if r["length"] == rec["train_length"]), rows[0])
-
-
-def run_table(rec: dict) -> str:
-    """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored."""
-    base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
-    lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {_split_text(rec)})",
-             f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
-    lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
-    return "\n".join(lines)
-
-
-def _split_text(r: dict) -> str:
-    """``validation split``, or ``test split (scored the validation files: the corpus has no test files)``."""
-    scored = r.get("scored_split") or r["split"]
-    return f"{r['split']} split" + (f" (scored the {scored} files: the corpus has no {r['split']} files)"
-                                    if scored != r["split"] else "")
-
-
-# ---- many runs: which records, and how their settings differ ------------------------------------------
+# ---- which records, and how their settings differ ------------------------------------------------
 
 
 def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
@@ -257,7 +184,7 @@ def _value_key(value) -> tuple:
     return (2, 0.0, value) if isinstance(value, str) else (3, 0.0, json.dumps(value))
 
 
-# ---- many runs: the numbers ----------------------------------------------------------------------
+# ---- the numbers ---------------------------------------------------------------------------------
 
 
 def _preference(group: tuple, n_records: int) -> tuple:
@@ -302,7 +229,7 @@ def table_title(r: dict) -> str:
     """A table's evaluation settings in words, e.g. ``nonoverlapping, validation split, max_tokens=16384, lengths 128…2048``."""
     lengths = r["lengths"]
     doubling = len(lengths) > 2 and all(b == 2 * a for a, b in zip(lengths, lengths[1:]))
-    return ", ".join([r["protocol"] + (f" (stride {r['stride']})" if r["protocol"] == "sliding" else ""), _split_text(r),
+    return ", ".join([r["protocol"] + (f" (stride {r['stride']})" if r["protocol"] == "sliding" else ""), split_text(r),
                       "max_tokens=all (whole split)" if r["max_tokens"] is None else f"max_tokens={r['max_tokens']}",
                       (f"lengths {lengths[0]}…{lengths[-1]}" if doubling else
                        f"length{'s' * (len(lengths) > 1)} {', '.join(map(str, lengths))}")])
@@ -338,7 +265,7 @@ def tables(rows: list[dict], train_length: int) -> str:
     return "\n\n".join(out)
 
 
-# ---- many runs: files ----------------------------------------------------------------------------
+# ---- files ---------------------------------------------------------------------------------------
 
 
 def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[str, Path]]:

@@ -20,13 +20,9 @@ from typing import Optional
 
 import torch
 
-from posbench.positional import SCHEMES, PositionalScheme, check_base
+from posbench.positional import SCHEMES, PositionalScheme, check_base, is_number
 
 SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
-
-
-def _number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class RoPE(PositionalScheme):
@@ -86,12 +82,12 @@ class RoPE(PositionalScheme):
             check_base(self.base)
             if self.scaling not in SCALINGS:
                 raise ValueError(f"scaling={self.scaling!r}: choose one of {', '.join(SCALINGS)}")
-            if not _number(self.factor) or self.factor < 1:
+            if not is_number(self.factor) or self.factor < 1:
                 raise ValueError(f"factor={self.factor!r}: the scaling factor must be a number >= 1")
             if self.scaling == "none" and self.factor != 1:
                 raise ValueError(f"factor={self.factor!r}: scaling=none uses no factor; choose a scaling method "
                                  f"({', '.join(SCALINGS[1:])}) or factor=1")
-            if not _number(self.beta_slow) or not _number(self.beta_fast) or not 0 < self.beta_slow < self.beta_fast:
+            if not is_number(self.beta_slow) or not is_number(self.beta_fast) or not 0 < self.beta_slow < self.beta_fast:
                 raise ValueError(f"beta_slow={self.beta_slow!r}: YaRN's ramp needs 0 < beta_slow < beta_fast "
                                  f"(beta_fast={self.beta_fast!r})")
             if self.original_length is None and self.scaling != "none":
@@ -186,9 +182,9 @@ class XPos(PositionalScheme):
 
         def resolve(self, seq_len: int, longest: int) -> None:
             check_base(self.base)
-            if not _number(self.gamma) or not self.gamma > 0:
+            if not is_number(self.gamma) or not self.gamma > 0:
                 raise ValueError(f"gamma={self.gamma!r}: xPos's gamma must be a number > 0 (the paper uses 0.4)")
-            if not _number(self.scale_base) or not self.scale_base > 0:
+            if not is_number(self.scale_base) or not self.scale_base > 0:
                 raise ValueError(f"scale_base={self.scale_base!r}: xPos's scale base must be a number > 0 (512)")
 
     def __init__(self, d_model, n_head, config=None):

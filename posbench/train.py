@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import checkpoint, data, dist, report, resume
+from posbench import checkpoint, data, dist, results, resume
 from posbench.config import ConfigError, check_device, finalize, to_dict
 from posbench.evaluate import evaluate, span
 from posbench.positional import SCHEMES
@@ -196,8 +196,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     def fail(step: int, what: str) -> None:
         message = f"non-finite {what} at step {step}; the last good checkpoint is kept"
-        dist.main_only(lambda: report.write_results(out_dir, {"format": report.FORMAT, "status": "failed", "error": message,
-                                                               "step": step, "results": [], "config": config}))
+        dist.main_only(lambda: results.write_results(out_dir, {"format": results.FORMAT, "status": "failed", "error": message,
+                                                                "step": step, "results": [], "config": config}))
         tracker.summary(status="failed", failed_step=step)
         raise TrainingFailed(message)
 
@@ -267,18 +267,18 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
 
     rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
-    record = report.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split),
-                           train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world,
-                           world_sizes=world_sizes, status="complete",
-                           final_loss=last_loss if math.isfinite(last_loss) else None,
-                           param_sha256=digests, resumed_from=step0 or None)
+    record = results.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split),
+                            train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world,
+                            world_sizes=world_sizes, status="complete",
+                            final_loss=last_loss if math.isfinite(last_loss) else None,
+                            param_sha256=digests, resumed_from=step0 or None)
 
     def write_outputs() -> None:
         tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
         checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
-        report.write_results(out_dir, record)
+        results.write_results(out_dir, record)
         tracker.log_eval(rows)
-        print(report.run_table(record), flush=True)
+        print(results.run_table(record), flush=True)
 
     dist.main_only(write_outputs)
     return record

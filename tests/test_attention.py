@@ -29,8 +29,8 @@ from posbench.positional import SCHEMES, PositionalScheme, build_scheme
 
 L = 16
 H, DH = 4, 8
-# the schemes whose bias this file's reference writes out; posbench/relative.py's are checked against their papers'
-# formulas, through every kernel, in tests/test_relative.py
+# the schemes whose bias this file's reference writes out; the relative biases (posbench/t5_kerple.py,
+# posbench/sandwich_fire.py) are checked against their papers' formulas, through every kernel, in tests/test_relative.py
 OWN = sorted({"nope", "sinusoidal", "learned", "rope", "alibi"} & set(SCHEMES))
 TOL = dict(atol=2e-5, rtol=1e-4)
 

@@ -1,8 +1,10 @@
-"""posbench.relative: the T5, KERPLE (log, power), Sandwich and FIRE biases against their papers' formulas.
+"""posbench.t5_kerple and posbench.sandwich_fire: the T5, KERPLE (log, power), Sandwich and FIRE biases against
+their papers' formulas.
 
 Each formula is written here again, from the paper (and, where the paper leaves a detail to its code, from that
-code's description), independently of posbench/relative.py: once as Python loops over i, j and h in float64
-(the bias itself), once as float64 tensors (the attention reference, which also carries gradients):
+code's description), independently of posbench/t5_kerple.py and posbench/sandwich_fire.py: once as Python loops
+over i, j and h in float64 (the bias itself), once as float64 tensors (the attention reference, which also carries
+gradients):
 
 * t5            w[bucket(i − j), h]; bucket: n = max(i − j, 0); n if n < B/2, else
                 B/2 + ⌊log(n/(B/2)) / log(M/(B/2)) · (B − B/2)⌋ capped at B − 1 (Raffel et al. 2020 §2.1, T5 code)

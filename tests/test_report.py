@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from posbench import config as schema, plots
 from posbench import report
 from posbench.evaluate import position_bins, windows
+from posbench.results import FORMAT, new_eval_stem, record, write_results
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
 LENGTHS = [32, 64, 128]
@@ -94,9 +95,9 @@ def write_run(folder: Path, cfg: dict, results: bool = True, rows: list[dict] | 
 def write_eval(folder: Path, cfg: dict, rows: list[dict] | None = None, stem: str | None = None, **extra) -> Path:
     """A record of ``cfg`` (its ``eval`` settings) beside the run: ``eval-<protocol>-<split>-<n>.json`` by default."""
     e = cfg["eval"]
-    rec = report.record(cfg, rows if rows is not None else rows_for(cfg), split=e["split"], train_tokens=1280,
-                        train_seconds=2.5, device="cpu", threads=2, **extra)
-    return report.write_results(folder, rec, stem or report.new_eval_stem(folder, rec["label"], e["protocol"], e["split"]))
+    rec = record(cfg, rows if rows is not None else rows_for(cfg), split=e["split"], train_tokens=1280,
+                 train_seconds=2.5, device="cpu", threads=2, **extra)
+    return write_results(folder, rec, stem or new_eval_stem(folder, rec["label"], e["protocol"], e["split"]))
 
 
 def sections(md: str) -> dict[str, str]:
@@ -259,8 +260,8 @@ def test_failed_run_is_skipped_as_failed_not_broken(sweep):
     failed = sweep / "9_rope_seed5"
     write_run(failed, config("rope", 5), results=False)
     message = "non-finite loss at step 3; the last good checkpoint is kept"
-    report.write_results(failed, {"format": report.FORMAT, "status": "failed", "error": message, "step": 3,
-                                  "results": [], "config": config("rope", 5)})
+    write_results(failed, {"format": FORMAT, "status": "failed", "error": message, "step": 3,
+                           "results": [], "config": config("rope", 5)})
     records, skipped = report.collect([sweep])
     assert len(records) == 6
     line = next(s for s in skipped if "9_rope_seed5" in s)
@@ -329,7 +330,7 @@ def test_eval_stems_are_claimed_exclusively(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(8) as pool:
-        stems = list(pool.map(lambda _: report.new_eval_stem(tmp_path, "t5", "sliding", "test"), range(8)))
+        stems = list(pool.map(lambda _: new_eval_stem(tmp_path, "t5", "sliding", "test"), range(8)))
     assert sorted(stems, key=lambda t: int(t.rsplit("-", 1)[1])) == [f"eval-t5-sliding-test-{n}" for n in range(1, 9)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{t}.json" for t in stems)
 

@@ -1,0 +1,94 @@
+"""One run's results: its record and the files it is written to (docs/design.md §7).
+
+A finished ``posbench train`` writes ``results.json`` (the record) and ``results.csv`` (one row per evaluation
+length, :data:`CSV_COLUMNS`) into its run folder; each ``posbench eval`` adds an
+``eval-<label>-<protocol>-<split>-<n>.json``/``.csv`` pair beside them (:func:`new_eval_stem`). The record
+(format :data:`FORMAT`) holds what ran — scheme, variant label, model, data, train length L, evaluation lengths,
+protocol, stride, split, seed, tokens and time trained, environment, and the fields its caller adds
+(``scored_split``, ``status``, ``world_size``, …) — then ``results``, one row per evaluation length with its
+per-position and per-window NLL, and ``config``, the resolved config. A failed run's record is ``{format,
+status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (:mod:`posbench.report`).
+
+    rec = record(config, rows, split="validation", train_tokens=n, train_seconds=s, device="cpu", threads=4)
+    write_results(run_dir, rec)                                  # results.json, results.csv
+    write_results(run_dir, rec, new_eval_stem(run_dir, rec["label"], rec["protocol"], rec["split"]))
+    print(run_table(rec))
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+
+from posbench.positional import variant_label
+
+FORMAT = 3  # 3: config.scheme holds the scheme's own options only; 2: rows carry window_nll / window_tokens
+READABLE = (1, 2, 3)  # older records are read too, their configs through posbench.config.upgrade
+CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
+               "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
+
+
+def record(config: dict, rows: list[dict], split: str, train_tokens: int, train_seconds: float, device: str,
+           threads: int, **extra) -> dict:
+    """One run's results record: what ran (scheme, model, data, L, protocol, seed, environment) and ``rows``
+    (as :func:`posbench.evaluate.evaluate` returns them). ``extra`` adds fields, e.g. ``scored_split``: the
+    split whose files were scored when the corpus lacks ``split`` (the report reads a missing one as ``split``)."""
+    import torch
+
+    e = config["eval"]
+    return {"format": FORMAT, "scheme": config["scheme"]["name"], "label": variant_label(config["scheme"]),
+            "model": config["model"]["name"],
+            "data": config["data"]["name"], "train_length": config["train"]["seq_len"], "lengths": list(e["lengths"]),
+            "protocol": e["protocol"], "stride": e["stride"], "split": split, "seed": config["seed"],
+            "train_tokens": train_tokens, "train_seconds": round(train_seconds, 2) if train_seconds else None,
+            "tokens_per_second": round(train_tokens / train_seconds, 1) if train_seconds else None,
+            "torch": torch.__version__, "device": device, "threads": threads, **extra,
+            "results": rows, "config": config}
+
+
+def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
+    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length); return the JSON path."""
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(rec, indent=1))
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for row in rec["results"]:
+            w.writerow({**rec, **row})
+    return path
+
+
+def new_eval_stem(run_dir: Path, label: str, protocol: str, split: str) -> str:
+    """``eval-<label>-<protocol>-<split>-<n>`` (``×`` written ``x``) with the first n not yet taken, claimed by
+    creating ``<stem>.json`` exclusively: two evaluations started together get different files, and no file is
+    ever overwritten by another evaluation. The caller then writes the claimed (empty) file."""
+    base = f"eval-{label.replace('×', 'x')}-{protocol}-{split}"
+    for n in itertools.count(1):
+        try:
+            with open(run_dir / f"{base}-{n}.json", "x"):
+                return f"{base}-{n}"
+        except FileExistsError:
+            continue
+
+
+def _base(rec: dict) -> dict:
+    rows = rec["results"]
+    return next((r for r in rows if r["length"] == rec["train_length"]), rows[0])
+
+
+def run_table(rec: dict) -> str:
+    """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored."""
+    base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
+    lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {split_text(rec)})",
+             f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
+    lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
+    return "\n".join(lines)
+
+
+def split_text(r: dict) -> str:
+    """``validation split``, or ``test split (scored the validation files: the corpus has no test files)``."""
+    scored = r.get("scored_split") or r["split"]
+    return f"{r['split']} split" + (f" (scored the {scored} files: the corpus has no {r['split']} files)"
+                                    if scored != r["split"] else "")
