@@ -14,7 +14,6 @@ folder is made, any data is read or any step is trained.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import sys
@@ -80,8 +79,8 @@ def _one_line(err: Exception) -> str:
             return (f"{key}: posbench eval {what}; it takes options of the run's scheme only "
                     f"(see them with: posbench train scheme=<name> --cfg job)")
         if scheme is not None:
-            options = [f.name for f in dataclasses.fields(SCHEMES[scheme].Config)]
-            return f"{key} is not an option of the {scheme} scheme; its options: {', '.join(options) or 'none'}"
+            options = ", ".join(SCHEMES[scheme].options()) or "none"
+            return f"{key} is not an option of the {scheme} scheme; its options: {options}"
         return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
     if key and "could not be converted" in text:
         return f"{key}: {text.replace('Value', 'value', 1)}"

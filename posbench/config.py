@@ -146,12 +146,12 @@ def __getattr__(attr: str):  # pickle looks a scheme's schema up by name, in a f
 
 
 def register() -> None:
-    from posbench import eval_job  # it builds on this module
-
     """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval),
     and one option of the ``scheme`` group per scheme in ``positional.SCHEMES`` now (:func:`scheme_schema`),
     replacing the options a previous call stored; and the resolver ``${posbench_schemes:}``, the registered
     scheme names joined by commas (``experiment=zoo`` sweeps them)."""
+    from posbench import eval_job  # it builds on this module
+
     OmegaConf.register_new_resolver("posbench_schemes", lambda: ",".join(positional.SCHEMES), replace=True)
     store = ConfigStore.instance()
     store.store(name="posbench_schema", node=PosbenchConfig)
@@ -305,7 +305,7 @@ def upgrade(config: dict, fmt: int) -> dict:
     cls = positional.SCHEMES[name]
     options = {k: v for k, v in scheme.items() if k != "name"}
     if fmt < 3:  # formats 1 and 2 recorded base and max_positions for every scheme
-        options = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(cls.Config)}}
+        options = {k: v for k, v in options.items() if k in cls.options()}
     try:
         cls.make_config(**options)
     except ValueError as e:

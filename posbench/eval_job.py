@@ -102,7 +102,7 @@ def _changed_scheme(scheme: DictConfig, given: dict, run: str, schemes=None) -> 
     """The run's scheme section with the ``given`` options in place, type-checked against the scheme's schema."""
     schemes = positional.SCHEMES if schemes is None else schemes
     name = scheme.name
-    allowed = [f.name for f in dataclasses.fields(schemes[name].Config)] if name in schemes else []
+    allowed = schemes[name].options() if name in schemes else []
     for key, value in given.items():
         if key not in allowed:
             raise ConfigError(f"scheme.{key}={value!r}: the run {run!r} has the {name} scheme, which has no option "

@@ -83,10 +83,15 @@ class PositionalScheme(nn.Module):
         self.config = self.Config() if config is None else config
 
     @classmethod
+    def options(cls) -> list[str]:
+        """The names of the scheme's options: the fields of its ``Config``, in order."""
+        return [f.name for f in dataclasses.fields(cls.Config)]
+
+    @classmethod
     def make_config(cls, **options) -> Config:
         """``cls.Config(**options)``, not resolved. Raises ValueError for an option the Config lacks, starting
         ``<option>=<value>`` and listing the scheme's options."""
-        allowed = [f.name for f in dataclasses.fields(cls.Config)]
+        allowed = cls.options()
         for key, value in options.items():
             if key not in allowed:
                 raise ValueError(f"{key}={value!r}: the {cls.__name__} scheme has no option {key!r}; its options: "
