@@ -52,7 +52,8 @@ def resume_state(cfg: DictConfig, out_dir: Path) -> dict | None:
         if changed:
             raise ConfigError(f"{out_dir} holds a checkpoint of another config (changed: {', '.join(changed)}); "
                               "use a new run folder, or resume=never to start over here")
-        saved, world = state.get("world_size"), dist.world()  # states written before it was recorded: unknown
+        sizes, world = world_sizes(state), dist.world()
+        saved = sizes[-1][1] if sizes else None  # states written before it was recorded: unknown
         if saved is not None and saved != world and not cfg.resume_any_world_size:
             raise ConfigError(f"{out_dir} holds a checkpoint trained by {saved} processes (torchrun ranks) and this "
                               f"run has {world}: the global batch (train.batch_size × ranks), its contents and the "
@@ -73,10 +74,18 @@ def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimize
     by_rank = state.get("rng_by_rank") or [state["rng"]]
     if rank < len(by_rank):
         set_rng_state(by_rank[rank], device)
-    world_sizes = state.get("world_sizes") or [[0, state.get("world_size") or world]]
-    if world_sizes[-1][1] != world:  # allowed by resume_any_world_size=true
-        world_sizes = [*world_sizes, [state["step"], world]]
-    return state["step"], state["train_tokens"], state["train_seconds"], world_sizes
+    sizes = world_sizes(state) or [[0, world]]
+    if sizes[-1][1] != world:  # allowed by resume_any_world_size=true
+        sizes = [*sizes, [state["step"], world]]
+    return state["step"], state["train_tokens"], state["train_seconds"], sizes
+
+
+def world_sizes(state: dict) -> list | None:
+    """[[first step, processes], …] of the stretches that trained a state; None for states from before the
+    number of processes was recorded (a state of the previous format records ``world_size`` alone)."""
+    if state.get("world_sizes"):
+        return state["world_sizes"]
+    return [[0, state["world_size"]]] if state.get("world_size") else None
 
 
 def rng_state(device: torch.device) -> dict:

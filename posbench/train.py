@@ -190,9 +190,8 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
         rngs = dist.gather(resume.rng_state(device))
         dist.main_only(lambda: checkpoint.save_state(out_dir, {
             "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": rngs[0], "rng_by_rank": rngs, "train_tokens": seen,
-            "train_seconds": wall0 + time.perf_counter() - start, "loss": loss, "world_size": world,
-            "world_sizes": world_sizes, "config": config}, t.keep_checkpoints))
+            "rng_by_rank": rngs, "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start,
+            "loss": loss, "world_sizes": world_sizes, "config": config}, t.keep_checkpoints))
 
     def fail(step: int, what: str) -> None:
         message = f"non-finite {what} at step {step}; the last good checkpoint is kept"
@@ -207,7 +206,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
     bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
-    start = time.perf_counter()
+    start, seen0 = time.perf_counter(), seen
     last_loss = (state or {}).get("loss", math.nan)  # the last synced step's loss (mean over ranks)
     window = []  # (step, lr, loss, grad_norm) of the steps since the last host sync; losses and norms on the device
     try:
@@ -229,7 +228,7 @@ def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dic
             if len(window) < sync_every and not checkpoint_due and done < t.steps:
                 continue
             losses, norms, stop = sync_steps([w[2] for w in window], [w[3] for w in window], bool(preempted))
-            tok_s = (seen - (state or {}).get("train_tokens", 0)) / (time.perf_counter() - start)
+            tok_s = (seen - seen0) / (time.perf_counter() - start)
             for (s, lr_s, _, _), step_loss, norm in zip(window, losses, norms):
                 if not (math.isfinite(step_loss) and math.isfinite(norm)):
                     fail(s, "loss" if not math.isfinite(step_loss) else "gradient")

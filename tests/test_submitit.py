@@ -48,7 +48,7 @@ ARGS = ["debug=fast", f"train.steps={STEPS}", "train.checkpoint_every=0", "train
         "seed=0", "eval.lengths=[32,64]", "eval.max_tokens=256"]
 
 
-# ---- helpers (module-level functions are pickled by value with the job's callable) ----------------
+# ---- helpers (pickled by value with the job's callable: the task cannot import test_resume's copies) ----
 
 
 def journal(path: Path) -> list[dict]:
