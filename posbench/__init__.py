@@ -1,12 +1,15 @@
 """posbench: train short, test long. Length-extrapolation experiments for positional encodings.
 
-Run ``posbench --help``; the library pieces are posbench.positional (the scheme interface, the
-registry, the absolute schemes and ALiBi), posbench.rotary, posbench.t5_kerple and posbench.sandwich_fire (the
-relative biases), posbench.model, posbench.data, posbench.train, posbench.evaluate, posbench.results and
-posbench.report.
+Run ``posbench --help``. The package in layers, each importing only from the layers below it (docs/design.md §1):
+
+    cli                        the command line: Hydra registration, every job checked before it runs
+    train_job  eval_job        a composed config → a job ready to run (resolved once), and running it
+    train  training_state      the training loop; a run folder's training states
+    report → compare, plots    many runs' records: collected and compared, then rendered
+    build  checkpoint  evaluate  results  upgrade  config
+    model  attention  data  corpora
+    schemes/                   the positional schemes, their registry and RoPE's scalings
+    dist  device  gpus  stats  tracking
 """
 
 __version__ = "0.1.0"
-
-# each adds its schemes to posbench.positional.SCHEMES; this order is the registry's, which experiment=zoo sweeps
-from posbench import t5_kerple, sandwich_fire, rotary  # noqa: E402,F401

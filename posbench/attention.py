@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from posbench.positional import PositionalScheme
+from posbench.schemes.base import PositionalScheme
 
 BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys floats) built at once, 64 MiB in fp32
 FOLD_QUERIES = 256  # folded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6

@@ -6,14 +6,17 @@
     posbench eval run=outputs/…/alibi eval.protocol=sliding eval.stride=64   # re-evaluate, no retraining
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]  # report.md, report.csv and plots
 
-Each subcommand is one ``@hydra.main``. Before Hydra starts, every job of the command line (each
-combination of a sweep, the experiment's declared sweep included) is composed and checked, so a typo,
-a wrong type or a bad value stops everything with one line on stderr and exit status 2, before any
-folder is made, any data is read or any step is trained.
+Each of ``train`` and ``eval`` is one ``@hydra.main`` over the schemas this module stores in Hydra's ConfigStore
+(:func:`register`). Before Hydra starts, every job of the command line (each combination of a sweep, the
+experiment's declared sweep included) is composed and prepared (:func:`preflight`: posbench/train_job.py,
+posbench/eval_job.py), so a typo, a wrong type or a bad value stops everything with one line on stderr and exit
+status 2, before any folder is made, any data is read or any step is trained. Each Hydra job then runs the job
+prepared for it (in this process; a sweep's worker process prepares its own, once).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -27,15 +30,23 @@ if not sys.stderr.isatty() or os.environ.get("CI"):
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # logs and CI get no progress bars
 
 import hydra  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
+from hydra.errors import MissingConfigException  # noqa: E402
+from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError  # noqa: E402
 
-from posbench.config import ConfigError, finalize, register, scheme_of  # noqa: E402
-from posbench.eval_job import eval_config, eval_schema  # noqa: E402
-from posbench import dist, gpus  # noqa: E402  (registers ${posbench_gpus:}; at module level so joblib workers have it)
+from posbench import compare, dist, eval_job, gpus, report, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench.checkpoint import CheckpointError  # noqa: E402
+from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_of, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
-from posbench.positional import SCHEMES  # noqa: E402
+from posbench.schemes import SCHEMES  # noqa: E402
+from posbench.tracking import Tracker  # noqa: E402
+from posbench.train import EXIT_PREEMPTED, Preempted, TrainingFailed, train  # noqa: E402
 
 CONFIG_MODULE = "posbench.conf"
 USAGE = """usage: posbench <command> [overrides...]
@@ -46,6 +57,7 @@ commands:
   report   tables and plots from runs         posbench report <folders...> [--out DIR]
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
+PREPARED: dict[str, object] = {}  # the composed job config (YAML) → its prepared job, made by preflight
 
 
 class Exit(SystemExit):
@@ -59,15 +71,28 @@ def fail(message: str) -> None:
     raise Exit(2)
 
 
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval), and
+    one option of the ``scheme`` group per scheme in ``SCHEMES`` now (``posbench.config.scheme_schema``), replacing
+    the options a previous call stored; and the resolver ``${posbench_schemes:}``, the registered scheme names
+    joined by commas (``experiment=zoo`` sweeps them)."""
+    OmegaConf.register_new_resolver("posbench_schemes", lambda: ",".join(SCHEMES), replace=True)
+    store = ConfigStore.instance()
+    store.store(name="posbench_schema", node=PosbenchConfig)
+    store.store(name="posbench_eval_schema", node=eval_schema())
+    store.repo.pop("scheme", None)
+    for name in SCHEMES:
+        store.store(group="scheme", name=name, node=scheme_schema(name))
+
+
+# ---- before Hydra: every job composed and prepared ----------------------------------------------------------
+
+
 def _one_line(err: Exception) -> str:
     """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices."""
-    from hydra.errors import MissingConfigException
-
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         return f"unknown {group} {name!r}; choose one of: {', '.join(err.options or [])}"
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
     while err.__cause__ is not None:
         err = err.__cause__
     key = getattr(err, "full_key", None)
@@ -89,9 +114,6 @@ def _one_line(err: Exception) -> str:
 
 def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:
     """The override lists of every job the command line asks for (sweeps expanded, the config's own too)."""
-    from hydra import compose
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     parsed = parser.parse_overrides(overrides)
     if not multirun:
@@ -105,45 +127,47 @@ def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[s
     return [list(c) for c in itertools.product(*axes)]
 
 
-def _check_train(cfg: DictConfig, multirun: bool) -> None:
-    """Values, data, and (a single run into an existing folder) that its checkpoint is of the same config."""
-    from posbench.resume import resume_state
-    from posbench.train import check_data
-
-    hydra_cfg = _pop_hydra(cfg)
-    check_data(finalize(cfg, SCHEMES))
-    if not multirun and cfg.resume == "auto":
-        resume_state(cfg, Path(OmegaConf.to_container(hydra_cfg.run, resolve=True)["dir"]))
+def _key(cfg: DictConfig) -> str:
+    """What identifies a job: its composed config (without Hydra's node), as YAML."""
+    return OmegaConf.to_yaml(cfg)
 
 
-def _check_eval(job: DictConfig, multirun: bool) -> None:
-    _pop_hydra(job)
-    eval_config(job, SCHEMES)
+def _job(cfg: DictConfig, prepare):
+    """The job :func:`preflight` prepared for Hydra's composed ``cfg`` in this process, or, in a sweep's worker
+    process, ``prepare(cfg)``. (Hydra's tasks reach :data:`PREPARED` only through here: a joblib worker receives a
+    task function pickled by value, with the globals it names, and must not receive the prepared jobs.)"""
+    return PREPARED.get(_key(cfg)) or prepare(cfg)
 
 
-def _pop_hydra(cfg: DictConfig) -> DictConfig:
-    """Remove and return the ``hydra`` node of a config composed with ``return_hydra_config=True``."""
+def _prepare(config_name: str, cfg: DictConfig, multirun: bool):
+    """The prepared job of the composed ``cfg`` (Hydra's node popped first): a single training run with the training
+    state of its run folder (a sweep's jobs get theirs when Hydra has named their folders)."""
     with open_dict(cfg):
-        return cfg.pop("hydra")
-
-
-CHECKS = {"train": _check_train, "eval": _check_eval}
+        hydra_cfg = cfg.pop("hydra")
+    key = _key(cfg)
+    if config_name == "eval":
+        return key, eval_job.prepare(cfg)
+    run_dir = None if multirun else Path(os.path.abspath(OmegaConf.to_container(hydra_cfg.run, resolve=True)["dir"]))
+    return key, train_job.prepare(cfg, run_dir)
 
 
 def preflight(argv: list[str], config_name: str) -> None:
-    """Compose and check every job of ``argv`` (values, then data: the corpus is prepared into its cache
-    and the splits' sizes checked); exit with one error line on the first bad one."""
-    from hydra import compose, initialize_config_module
-
+    """Compose and prepare every job of ``argv`` (values checked and resolved, data prepared into its cache and
+    the splits' sizes checked, a single run's resume state found or refused, an evaluation's model loaded), keep
+    each in :data:`PREPARED` for Hydra's job, and set ``POSBENCH_SWEPT``; exit with one error line on the first
+    bad one."""
     flags = [a for a in argv if a.startswith("-")]
     if any(f not in ("-m", "--multirun") for f in flags):
         return  # --cfg, --help, --info ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
+    PREPARED.clear()
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             jobs = _jobs(overrides, bool(flags), config_name)
             for job in jobs:
-                CHECKS[config_name](compose(config_name, overrides=job, return_hydra_config=True), bool(flags))
+                key, prepared = _prepare(config_name, compose(config_name, overrides=job, return_hydra_config=True),
+                                         bool(flags))
+                PREPARED[key] = prepared
     except (ConfigError, DataError) as e:
         fail(str(e))
     except Exception as e:  # Hydra / OmegaConf composition errors
@@ -152,41 +176,37 @@ def preflight(argv: list[str], config_name: str) -> None:
     os.environ["POSBENCH_SWEPT"] = ",".join(sorted(swept))  # the run name of each job: its swept overrides
 
 
-def _tracker(cfg: DictConfig, out_dir: Path, job_type: str):
-    """The wandb tracker of this Hydra job: named by its variant label (``rope+yarn×16``) and its other swept
-    overrides (``alibi,seed=1``), grouped by its sweep."""
-    from posbench.config import to_dict
-    from posbench.positional import variant_label
-    from posbench.report import sweep_group
-    from posbench.tracking import Tracker
+# ---- Hydra's jobs -------------------------------------------------------------------------------------------
 
-    hc = HydraConfig.get()
+
+def _run_name(job: train_job.TrainJob, hc) -> str:
+    """A training run's wandb name: its variant label (``rope+yarn×16``) and its other swept overrides (``seed=1``)."""
     swept = set(os.environ.get("POSBENCH_SWEPT", "").split(","))
     others = [o for o in hc.overrides.task if o.split("=", 1)[0] in swept and not o.startswith("scheme")]
-    name = ",".join([variant_label(to_dict(cfg.scheme)), *others])
-    group = sweep_group(Path(hc.sweep.dir)) if hc.mode == RunMode.MULTIRUN else None
-    w = cfg.wandb
-    return Tracker(w.enabled and dist.rank() == 0, out_dir, w.project, w.entity, name=name, group=group, config=to_dict(cfg),
-                   job_type=job_type, tags=list(w.tags))
+    return ",".join([job.label, *others])
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> None:
-    from posbench.checkpoint import CheckpointError
-    from posbench.train import EXIT_PREEMPTED, Preempted, TrainingFailed, train
-
-    with gpus.job_gpu(HydraConfig.get()):  # first: the job's own GPU (joblib sweeps), before anything touches CUDA
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
-        tracker = _tracker(cfg, out_dir, "train")
+    hc = HydraConfig.get()
+    with gpus.job_gpu(hc):  # first: the job's own GPU (joblib sweeps), before anything touches CUDA
+        out_dir = Path(hc.runtime.output_dir)
         try:
-            train(cfg, out_dir, tracker)
-        except (ConfigError, DataError, CheckpointError) as e:
+            job = train_job.in_folder(_job(cfg, train_job.prepare), out_dir)
+        except (ConfigError, DataError) as e:
+            fail(str(e))
+        multirun = hc.mode == RunMode.MULTIRUN
+        tracker = Tracker.from_config(job.config, out_dir, "train", name=_run_name(job, hc),
+                                      sweep_dir=Path(hc.sweep.dir) if multirun else None, config=to_dict(job.config))
+        try:
+            train(job, tracker)
+        except CheckpointError as e:
             tracker.finish(exit_code=2)
             fail(str(e))
         except TrainingFailed as e:
             tracker.finish(exit_code=1)
             print(f"posbench: error: {e}", file=sys.stderr)
-            if HydraConfig.get().mode != RunMode.MULTIRUN:
+            if not multirun:
                 raise Exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
         except Preempted as e:
             tracker.finish(exit_code=EXIT_PREEMPTED)
@@ -196,38 +216,44 @@ def _train(cfg: DictConfig) -> None:
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
-def _eval(job: DictConfig) -> None:
-    from posbench.evaluate import reevaluate
-    from posbench.tracking import Tracker
-    from posbench.train import resolve_device, set_threads
-
+def _eval(cfg: DictConfig) -> None:
     with gpus.job_gpu(HydraConfig.get()):
         try:
-            cfg, state = eval_config(job, SCHEMES)
-            device, threads = resolve_device(job.device), set_threads(job.threads)
-            rec = reevaluate(cfg, state, Path(job.run), device, threads)
+            job = _job(cfg, eval_job.prepare)
         except (ConfigError, DataError) as e:
             fail(str(e))
-        w = cfg.wandb
-        tracker = Tracker(w.enabled and dist.rank() == 0, Path(job.run), w.project, w.entity, job_type="eval", config=rec["config"],
-                          name=f"{rec['label']} {rec['protocol']} {rec['split']}",
-                          tags=list(w.tags))
+        rec = eval_job.run(job)
+        tracker = Tracker.from_config(job.config, job.run_dir, "eval", config=rec["config"],
+                                      name=f"{rec['label']} {rec['protocol']} {rec['split']}")
         tracker.log_eval(rec["results"])
         tracker.finish()
 
 
+class ReportCallback(Callback):
+    """Hydra callback (conf/train.yaml): at the end of every multirun, write the report into the sweep folder,
+    print its tables, and log the perplexity-vs-length chart and the PNGs to a wandb run of the sweep's group."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        try:
+            table_text, rows, images = report.write_report([sweep], sweep)
+        except compare.ReportError as e:
+            report.log.warning("no report: %s", e)
+            return
+        print(f"\n{table_text}\n\nreport: {sweep / 'report.md'}", flush=True)
+        tracker = Tracker.from_config(config, sweep, "report", name="report", sweep_dir=sweep)
+        tracker.log_report(compare.ppl_series(rows), images)
+        tracker.finish()
+
+
 def _report(argv: list[str]) -> None:
-    import argparse
-
-    from posbench.report import ReportError, write_report
-
     parser = argparse.ArgumentParser(prog="posbench report", description="Tables and plots from the runs under FOLDERs.")
     parser.add_argument("folders", nargs="+", type=Path, help="run or sweep folders (searched recursively)")
     parser.add_argument("--out", type=Path, help="where to write the report (default: the first folder)")
     args = parser.parse_args(argv)
     try:
-        table_text, _, _ = write_report(args.folders, args.out or args.folders[0])
-    except ReportError as e:
+        table_text, _, _ = report.write_report(args.folders, args.out or args.folders[0])
+    except compare.ReportError as e:
         fail(str(e))
     print(f"{table_text}\n\nreport: {(args.out or args.folders[0]) / 'report.md'}")
 
@@ -248,17 +274,16 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"unknown command {command!r}; choose one of: train, eval, report")
     task, config_name = COMMANDS[command]
     register()
-    preflight(rest, config_name)
-    os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep's workers
-    if dist.world() > 1:  # torchrun: one run folder for all ranks; only rank 0 writes Hydra's files and logs
-        dist.init()
-        os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))
-        if dist.rank() > 0:
-            rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    dist.init()  # torchrun: every rank checks the same jobs, then writes one run folder (rank 0's time stamps it)
+    os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))  # preflight's and Hydra's
+    if dist.rank() > 0:  # only rank 0 writes Hydra's files and logs
+        rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     sys.argv = [f"posbench-{command}", *rest]
     try:
+        preflight(rest, config_name)
+        os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep
         task()
-    except Exit:  # a failed, refused or preempted run: every rank exits here with the same status
+    except Exit:  # a refused, failed or preempted run: every rank exits here with the same status
         dist.finish()
         raise
     except BaseException:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave

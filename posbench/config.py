@@ -1,28 +1,27 @@
-"""Structured configs for posbench: the schema Hydra composes into, and the value checks.
+"""The configuration's schema and its checks: what Hydra composes into, and what a finished config must satisfy.
 
-The dataclasses below are registered in Hydra's ConfigStore as ``posbench_schema`` and are the first
-entry of every defaults list in ``conf/``, so a misspelt key or a wrong type fails at composition time.
-The ``scheme`` group is made here too, one option per registered scheme, from the scheme's own ``Config``
-(posbench/positional.py): ``scheme=learned scheme.max_positions=64`` is checked against the learned
-scheme's fields, and ``scheme=rope scheme.max_positions=64`` fails at composition.
-:func:`finalize` fills the derived defaults (evaluation lengths, the scheme's ``Config.resolve``) and checks
-values (:class:`ConfigError`) before any data is read or any step is trained.
+The dataclasses below are the structured configs of ``posbench train`` (:class:`PosbenchConfig`) and ``posbench
+eval`` (:func:`eval_schema`); a misspelt key or a wrong type fails at composition. The ``scheme`` node takes one
+schema per registered scheme, made from the scheme's own ``Config`` by :func:`scheme_schema` (posbench/schemes/):
+``scheme=learned scheme.max_positions=64`` is checked against the learned scheme's fields, and ``scheme=rope
+scheme.max_positions=64`` fails at composition. posbench/cli.py stores them in Hydra's ConfigStore.
+:func:`finalize` fills the derived defaults (evaluation lengths, the scheme's ``Config.resolve``) and checks every
+value (:class:`ConfigError`) before any data is read or any step is trained.
 
-Scheme, model and data code never see these objects: the CLI hands them plain values.
+Scheme, model and data code never see these objects: the jobs hand them plain values.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, List, Optional
 
-from hydra.core.config_store import ConfigStore
+import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from posbench import positional
+from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")
 SPLITS = ("validation", "test")
@@ -112,53 +111,79 @@ class PosbenchConfig:
     resume_any_world_size: bool = False  # resume under another torchrun world size (recorded as world_sizes)
 
 
-_SCHEMAS: dict[str, type] = {}  # scheme name → its schema, built once per scheme class
+@dataclass
+class EvalJobConfig:
+    """``posbench eval``: re-evaluate the checkpoint in ``run`` with these evaluation settings."""
+
+    run: str = MISSING  # a run folder holding checkpoint.pt
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    device: str = "auto"
+    threads: Optional[int] = None
+    scheme: Any = None  # options of the run's scheme to change (scheme.scaling=yarn); the stored schema: eval_schema()
+
+
+# ---- schemas made from the registry ------------------------------------------------------------------------
+
+_MADE: dict[str, type] = {}  # the dataclasses made by schema(), by name
+
+
+def schema(name: str, fields: list[tuple[str, Any, dataclasses.Field]], bases: tuple = ()) -> type:
+    """The dataclass ``name`` with ``fields`` ((field name, type, ``dataclasses.field(...)``), in order) over
+    ``bases``: made once per distinct definition, and findable as ``posbench.config.<name>``, so that configs holding
+    it pickle (joblib and SLURM sweeps), in a fresh process too."""
+    key = (tuple((n, t, f.default, f.default_factory) for n, t, f in fields), bases)
+    made = _MADE.get(name)
+    if made is None or made.definition != key:
+        made = dataclasses.make_dataclass(name, fields, bases=bases, namespace={"definition": key})
+        made.__module__ = __name__
+        _MADE[name] = made
+    return made
+
+
+def _options(config_class: type, optional: bool = False) -> list[tuple[str, Any, dataclasses.Field]]:
+    """A scheme Config's fields as :func:`schema` fields: their types and defaults, or (``optional``) their types
+    made Optional with default None ("not given")."""
+    types = typing.get_type_hints(config_class)
+    return [(f.name, Optional[types[f.name]], field(default=None)) if optional else
+            (f.name, types[f.name], field(default=f.default, default_factory=f.default_factory))
+            for f in dataclasses.fields(config_class)]
 
 
 def scheme_schema(name: str) -> type:
-    """The structured config of the scheme registered as ``name``: a dataclass with ``name: str = <name>``
-    followed by the fields (types and defaults) of the scheme's ``Config``. Importable as
-    ``posbench.config.scheme_<name>``, so configs holding it pickle (joblib and SLURM sweeps).
-
-    Raises KeyError for a name not in ``positional.SCHEMES``."""
-    cls = positional.SCHEMES[name]
-    schema = _SCHEMAS.get(name)
-    if schema is None or schema.scheme_class is not cls:
-        types = typing.get_type_hints(cls.Config)
-        fields = [("name", str, field(default=name))]
-        fields += [(f.name, types[f.name], field(default=f.default, default_factory=f.default_factory))
-                   for f in dataclasses.fields(cls.Config)]
-        schema = dataclasses.make_dataclass(f"scheme_{name}", fields, namespace={"scheme_class": cls})
-        schema.__module__, schema.__doc__ = __name__, cls.Config.__doc__
-        _SCHEMAS[name] = schema
-    return schema
+    """The structured config of the scheme registered as ``name``: ``name: str = <name>``, then the fields of
+    the scheme's ``Config`` (types and defaults); ``posbench.config.scheme_<name>``. Raises KeyError for a name
+    not in ``SCHEMES``."""
+    return schema(f"scheme_{name}", [("name", str, field(default=name)), *_options(SCHEMES[name].Config)])
 
 
-def scheme_of(schema) -> str | None:
-    """The scheme name whose :func:`scheme_schema` is ``schema``, or None for any other object."""
-    return next((name for name, known in _SCHEMAS.items() if known is schema), None)
+def eval_schema() -> type:
+    """The structured config of ``posbench eval``: :class:`EvalJobConfig` whose ``scheme`` node takes every option of
+    every registered scheme (Optional, default None: not given; an option two schemes type differently: Any), so
+    that ``scheme.scaling=yarn`` composes and ``scheme.factor=abc`` or a key no scheme has fails at composition.
+    Which of them the run's scheme has is checked by ``posbench.eval_job.prepare``."""
+    options: dict[str, tuple] = {}
+    for cls in SCHEMES.values():
+        for key, kind, default in _options(cls.Config, optional=True):
+            options[key] = (key, kind if options.get(key, (key, kind))[1] == kind else Any, default)
+    scheme = schema("eval_options", list(options.values()))
+    return schema("eval_job", [("scheme", scheme, field(default_factory=scheme))], bases=(EvalJobConfig,))
 
 
-def __getattr__(attr: str):  # pickle looks a scheme's schema up by name, in a fresh process too
-    if attr.startswith("scheme_") and attr[len("scheme_"):] in positional.SCHEMES:
+def scheme_of(made) -> str | None:
+    """The scheme name whose :func:`scheme_schema` is ``made``, or None for any other object."""
+    name = getattr(made, "__name__", "")
+    return name[len("scheme_"):] if name.startswith("scheme_") and _MADE.get(name) is made else None
+
+
+def __getattr__(attr: str):  # pickle looks a made schema up by name, in a fresh process too
+    if attr.startswith("scheme_") and attr[len("scheme_"):] in SCHEMES:
         return scheme_schema(attr[len("scheme_"):])
+    if attr in ("eval_job", "eval_options"):
+        return eval_schema() if attr == "eval_job" else eval_schema().__dataclass_fields__["scheme"].type
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-def register() -> None:
-    """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval),
-    and one option of the ``scheme`` group per scheme in ``positional.SCHEMES`` now (:func:`scheme_schema`),
-    replacing the options a previous call stored; and the resolver ``${posbench_schemes:}``, the registered
-    scheme names joined by commas (``experiment=zoo`` sweeps them)."""
-    from posbench import eval_job  # it builds on this module
-
-    OmegaConf.register_new_resolver("posbench_schemes", lambda: ",".join(positional.SCHEMES), replace=True)
-    store = ConfigStore.instance()
-    store.store(name="posbench_schema", node=PosbenchConfig)
-    store.store(name="posbench_eval_schema", node=eval_job.eval_schema())
-    store.repo.pop("scheme", None)
-    for name in positional.SCHEMES:
-        store.store(group="scheme", name=name, node=scheme_schema(name))
+# ---- checks ------------------------------------------------------------------------------------------------
 
 
 def _positive(name: str, value) -> None:
@@ -166,13 +191,14 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
 
 
-def _check_keys(node: DictConfig, schema, prefix: str = "") -> None:
-    """Reject keys the schema lacks (Hydra's ``+key=value`` lifts struct mode, so composition alone lets them in)."""
+def check_keys(node: DictConfig, known, prefix: str = "") -> None:
+    """Reject keys the schema instance ``known`` lacks (Hydra's ``+key=value`` lifts struct mode, so composition
+    alone lets them in)."""
     for key in node:
-        if not hasattr(schema, key):
+        if not hasattr(known, key):
             raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: posbench train --cfg job")
-        if is_dataclass(getattr(schema, key)):
-            _check_keys(node[key], getattr(schema, key), f"{prefix}{key}.")
+        if is_dataclass(getattr(known, key)):
+            check_keys(node[key], getattr(known, key), f"{prefix}{key}.")
 
 
 def _optimizer_values(t: DictConfig) -> None:
@@ -198,63 +224,22 @@ def check_device(key: str, name: str) -> None:
     """Raise ConfigError for a device other than auto / cpu / cuda[:n], or CUDA on a machine without it."""
     if name != "auto" and name != "cpu" and not name.startswith("cuda"):
         raise ConfigError(f"{key}={name!r} is unknown; choose auto, cpu or cuda")
-    if name.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
 
 
-def finalize(cfg: DictConfig, schemes=None) -> DictConfig:
-    """Fill derived defaults in place and check every value; return ``cfg``.
-
-    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and the scheme's options: ``cfg.scheme`` is read into
-    the scheme's ``Config``, whose ``resolve(L, longest)`` fills and checks them (the learned scheme's
-    ``max_positions``: None → 16·L, never derived from ``eval.*``, so the model, its initialisation included,
-    does not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
-    ``schemes``: the registry (name → scheme class; None: ``positional.SCHEMES``).
-
-    Raises:
-        ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
-            ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
-            registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
-            starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
-            protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
-            (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or
-            ``train.device=cuda`` on a machine without CUDA.
-    """
-    _check_keys(cfg, PosbenchConfig())
-    t, e, m, s = cfg.train, cfg.eval, cfg.model, cfg.scheme
-    schemes = positional.SCHEMES if schemes is None else schemes
-    if s.name not in schemes:
-        raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(schemes))}")
-    for key in ("seq_len", "batch_size", "steps", "log_every"):
-        _positive(f"train.{key}", t[key])
-    for key in ("n_layer", "n_head", "d_model", "d_ff"):
-        _positive(f"model.{key}", m[key])
-    _positive("data.vocab_size", cfg.data.vocab_size)
+def _eval_values(e: DictConfig, seq_len: int) -> None:
+    """Fill ``eval.lengths`` (None → L·2^k, k = 0…4) and check the evaluation settings."""
     if e.max_tokens is not None:
         _positive("eval.max_tokens", e.max_tokens)
     _positive("eval.batch_tokens", e.batch_tokens)
-    if m.d_model % m.n_head:
-        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
-    if (m.d_model // m.n_head) % 2:
-        raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
-    _optimizer_values(t)
-    check_device("train.device", t.device)
     if e.lengths is None:
-        e.lengths = [t.seq_len * 2**k for k in range(5)]
+        e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:
         raise ConfigError("eval.lengths=[] is empty: give at least one evaluation length >= 2")
     for n in e.lengths:
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
-    if cfg.resume not in ("auto", "never"):
-        raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
-    if t.sync_every is not None:
-        _positive("train.sync_every", t.sync_every)
-    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
-        raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     if e.protocol not in PROTOCOLS:
         raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
     if e.split not in SPLITS:
@@ -266,10 +251,51 @@ def finalize(cfg: DictConfig, schemes=None) -> DictConfig:
             raise ConfigError(
                 f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest evaluation length {min(e.lengths)}"
             )
-    options = {k: v for k, v in to_dict(s).items() if k != "name"}
+
+
+def finalize(cfg: DictConfig) -> DictConfig:
+    """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
+    ``prepare`` (posbench/train_job.py, posbench/eval_job.py), before any data is read or any step is trained.
+
+    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and the scheme's options: ``cfg.scheme`` is read into the
+    scheme's ``Config``, whose ``resolve(L, longest)`` fills and checks them (the learned scheme's
+    ``max_positions``: None → 16·L, never derived from ``eval.*``, so the model, its initialisation included, does
+    not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
+
+    Raises:
+        ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
+            ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
+            registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
+            starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
+            protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
+            (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or
+            ``train.device=cuda`` on a machine without CUDA.
+    """
+    check_keys(cfg, PosbenchConfig())
+    t, m, s = cfg.train, cfg.model, cfg.scheme
+    if s.name not in SCHEMES:
+        raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    for key in ("seq_len", "batch_size", "steps", "log_every"):
+        _positive(f"train.{key}", t[key])
+    for key in ("n_layer", "n_head", "d_model", "d_ff"):
+        _positive(f"model.{key}", m[key])
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    _optimizer_values(t)
+    check_device("train.device", t.device)
+    _eval_values(cfg.eval, t.seq_len)
+    if cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
+    if t.sync_every is not None:
+        _positive("train.sync_every", t.sync_every)
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     try:
-        resolved = schemes[s.name].make_config(**options)
-        resolved.resolve(t.seq_len, max(max(e.lengths), t.seq_len))
+        resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
+        resolved.resolve(t.seq_len, max(max(cfg.eval.lengths), t.seq_len))
     except ValueError as err:
         raise ConfigError(f"scheme.{err}") from None
     with open_dict(s):
@@ -281,41 +307,3 @@ def finalize(cfg: DictConfig, schemes=None) -> DictConfig:
 def to_dict(cfg: DictConfig) -> dict:
     """The resolved config as a plain dict (what results and checkpoints record)."""
     return OmegaConf.to_container(cfg, resolve=True)
-
-
-def upgrade(config: dict, fmt: int) -> dict:
-    """A config recorded by an older posbench (a checkpoint's or a results record's, format ``fmt``) as a
-    full config of today's schema: every key it lacks at its default (``scheme.name``: :data:`DEFAULT_SCHEME`;
-    the scheme's options: its ``Config`` defaults), except where the default would misdescribe the recorded
-    model. Format 1 scaled token embeddings by sqrt(D) for sinusoidal only, so ``model.scale_embeddings``
-    reads as ``scheme.name == "sinusoidal"`` there. Formats 1 and 2 recorded ``base`` and ``max_positions``
-    for every scheme: below format 3 the scheme keys its ``Config`` lacks are dropped. Returns a new plain dict.
-
-    Raises ConfigError when the recorded config does not fit the schema (a key it does not know, a scheme
-    option the scheme lacks in a format-3 config, a scheme this posbench does not have, a wrong type).
-    """
-    config = copy.deepcopy(config)
-    scheme = config.get("scheme", {})
-    if not isinstance(scheme, dict):
-        raise ConfigError(f"a recorded config does not fit this posbench's schema: scheme={scheme!r} is not a mapping")
-    name = scheme.get("name", DEFAULT_SCHEME)
-    if name not in positional.SCHEMES:
-        raise ConfigError(f"a recorded config has scheme.name={name!r}, which this posbench does not have; "
-                          f"it has: {', '.join(sorted(positional.SCHEMES))}")
-    cls = positional.SCHEMES[name]
-    options = {k: v for k, v in scheme.items() if k != "name"}
-    if fmt < 3:  # formats 1 and 2 recorded base and max_positions for every scheme
-        options = {k: v for k, v in options.items() if k in cls.options()}
-    try:
-        cls.make_config(**options)
-    except ValueError as e:
-        raise ConfigError(f"a recorded config does not fit this posbench's schema: scheme.{e}") from None
-    config["scheme"] = {"name": name, **options}
-    if fmt < 2 and isinstance(config.get("model"), dict):
-        config["model"].setdefault("scale_embeddings", name == "sinusoidal")
-    try:
-        base = OmegaConf.structured(PosbenchConfig)
-        base.scheme = OmegaConf.structured(scheme_schema(name))
-        return to_dict(OmegaConf.merge(base, config))
-    except Exception as e:  # OmegaConf's validation errors
-        raise ConfigError(f"a recorded config does not fit this posbench's schema: {str(e).splitlines()[0]}") from None

@@ -21,12 +21,16 @@ To add a corpus, register a file lister in :data:`FILE_CORPORA` or a :class:`Hub
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, files as dist_files
 from pathlib import Path
 from typing import Callable, Optional
+
+import datasets
 
 SPLITS = ("train", "validation", "test")
 
@@ -160,8 +164,6 @@ def wikitext_articles(lines, cache_dir: str, fingerprint: str):
     r"""WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
     ending in ``\n``, ``""`` for a blank line), so joined they are the split's text stream, as fairseq reads
     ``wiki.*.raw``; that stream is cut before each article title, so ``<|endoftext|>`` separates articles."""
-    from datasets import Dataset
-
     def articles(lines):
         doc, has_text = [], False
         for batch in lines.iter(batch_size=10_000):
@@ -174,7 +176,7 @@ def wikitext_articles(lines, cache_dir: str, fingerprint: str):
         if has_text:
             yield {"text": "".join(doc)}
 
-    return Dataset.from_generator(articles, gen_kwargs={"lines": lines}, cache_dir=cache_dir, fingerprint=fingerprint)
+    return datasets.Dataset.from_generator(articles, gen_kwargs={"lines": lines}, cache_dir=cache_dir, fingerprint=fingerprint)
 
 
 @dataclass(frozen=True)
@@ -237,9 +239,6 @@ def hub_identity(name: str, path: Optional[str]) -> dict:
 def _network_errors() -> tuple:
     """What an unreachable Hub raises: ConnectionError / OSError, and the HTTP client's errors (httpx or httpx2,
     whichever huggingface_hub uses)."""
-    import importlib
-    import importlib.util
-
     clients = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
     return (OSError, *(c.HTTPError for c in clients))
 
@@ -259,16 +258,15 @@ def load_hub_corpus(name: str, path: Optional[str], max_train_docs: Optional[int
             user sets it), a Hub copy that needs a loading script, a local copy that cannot be read, a missing
             split or a missing ``text`` column.
     """
-    from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
 
     spec = HUB_CORPORA[name]
     try:
         if path is None:
-            raw = load_dataset(spec.repo, spec.config, streaming=spec.stream)
+            raw = datasets.load_dataset(spec.repo, spec.config, streaming=spec.stream)
         elif (folder := _local_folder(path, spec.config)).joinpath("dataset_dict.json").exists():
-            raw = load_from_disk(str(folder))
+            raw = datasets.load_from_disk(str(folder))
         else:
-            raw = load_dataset(str(folder), streaming=spec.stream)  # absolute: never taken for a Hub name
+            raw = datasets.load_dataset(str(folder), streaming=spec.stream)  # absolute: never taken for a Hub name
         missing = [s for s in SPLITS if s not in raw]
         if missing:
             raise DataError(f"data={name}: the corpus has no {'/'.join(missing)} split (it has: {', '.join(raw)})")
@@ -279,12 +277,12 @@ def load_hub_corpus(name: str, path: Optional[str], max_train_docs: Optional[int
                 raise DataError(f"data={name}: the {s} split has no 'text' column "
                                 f"(columns: {', '.join(split.column_names)})")
             split = split.select_columns(["text"])
-            if isinstance(split, IterableDataset):  # streamed: keep the first train rows, write them as Arrow
+            if isinstance(split, datasets.IterableDataset):  # streamed: keep the first train rows, write them as Arrow
                 split = split.take(max_train_docs) if s == "train" and max_train_docs is not None else split
-                split = Dataset.from_generator(lambda rows: iter(rows), gen_kwargs={"rows": split}, cache_dir=cache_dir,
+                split = datasets.Dataset.from_generator(lambda rows: iter(rows), gen_kwargs={"rows": split}, cache_dir=cache_dir,
                                                fingerprint=f"{name}-{s}")
             out[s] = spec.documents(split, cache_dir, f"{name}-{s}-docs") if spec.documents else split
-        return DatasetDict(out)
+        return datasets.DatasetDict(out)
     except RuntimeError as e:
         if "scripts are no longer supported" not in str(e):
             raise

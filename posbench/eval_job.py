@@ -1,108 +1,115 @@
-"""``posbench eval``'s configuration: the job's schema, and the run's config with the job's settings in place.
+"""``posbench eval``'s job: a trained run's checkpoint scored again with other evaluation settings (and, optionally,
+other options of its scheme, e.g. ``scheme.scaling=yarn scheme.factor=16`` on a RoPE run), written beside the run's
+results, never over them.
 
-``EvalJob`` is what ``posbench eval`` composes (``run``, ``eval.*``, ``device``, ``threads``, and ``scheme.*``:
-options of the run's scheme to change, e.g. ``scheme.scaling=yarn scheme.factor=16`` on a RoPE run).
-:func:`eval_config` reads the run's checkpoint, puts the job's settings into its config and checks them
-(``posbench.config.finalize``); :func:`eval_overrides` gives the model overrides the changed scheme options
-make (``checkpoint.build_model(spec, overrides)``). Registered by ``posbench.config.register``.
+:func:`prepare` does everything that can fail, once, before Hydra writes into the run folder: it reads the
+checkpoint, puts the job's settings into the run's config and finalizes it (the scheme's options resolved:
+posbench/config.py), prepares the corpus and checks its split, and builds the model with the changed options and
+loads the trained weights into it (a misfit is refused). :func:`run` scores it and writes
+``eval-<label>-<protocol>-<split>-<n>.json`` / ``.csv``.
+
+    job = prepare(job_cfg)   # job_cfg: the composed ``posbench eval`` config; raises ConfigError or DataError
+    record = run(job)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
 
-from posbench import positional
-from posbench.config import (DEFAULT_SCHEME, ConfigError, EvalConfig, PosbenchConfig, _check_keys, check_device,
-                             finalize, scheme_schema, to_dict)
+from posbench import build, checkpoint, data, dist, results
+from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize,
+                             scheme_schema, to_dict)
+from posbench.device import resolve_device, set_threads
+from posbench.evaluate import evaluate
+from posbench.schemes import SCHEMES, variant_label
+from posbench.train_job import prepare_data
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalJob:
-    """``posbench eval``: re-evaluate the checkpoint in ``run`` with these evaluation settings."""
+    """One re-evaluation, ready to run.
 
-    run: str = MISSING  # a run folder holding checkpoint.pt
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    device: str = "auto"
-    threads: Optional[int] = None
-    scheme: Any = None  # options of the run's scheme to change (scheme.scaling=yarn); the stored schema: eval_schema()
-
-
-_EVAL_SCHEMAS: dict[tuple, type] = {}  # the registry's (name, class) pairs → posbench eval's schema
-
-
-def eval_schema() -> type:
-    """The structured config of ``posbench eval``: :class:`EvalJob` whose ``scheme`` node takes every option of
-    every scheme in ``positional.SCHEMES`` (their types, Optional, default None: not given), so that
-    ``scheme.scaling=yarn`` composes and ``scheme.factor=abc`` or a key no scheme has fails at composition.
-    Which of them the run's scheme has is checked by :func:`eval_config`. Importable as
-    ``posbench.eval_job.eval_options`` and ``posbench.eval_job.eval_job``."""
-    key = tuple((name, cls) for name, cls in positional.SCHEMES.items())
-    if key not in _EVAL_SCHEMAS:
-        options: dict[str, Any] = {}
-        for cls in positional.SCHEMES.values():
-            types = typing.get_type_hints(cls.Config)
-            for f in dataclasses.fields(cls.Config):
-                kind = Optional[types[f.name]]
-                options[f.name] = kind if options.get(f.name, kind) == kind else Any  # two schemes, two types: Any
-        scheme = dataclasses.make_dataclass("eval_options", [(k, t, field(default=None)) for k, t in options.items()])
-        job = dataclasses.make_dataclass("eval_job", [("scheme", scheme, field(default_factory=scheme))],
-                                         bases=(EvalJob,))
-        for made in (scheme, job):
-            made.__module__ = __name__
-        _EVAL_SCHEMAS.clear()
-        _EVAL_SCHEMAS[key] = job
-    return _EVAL_SCHEMAS[key]
-
-def __getattr__(attr: str):  # pickle looks the generated schemas up by name, in a fresh process too
-    if attr in ("eval_job", "eval_options"):
-        job = eval_schema()
-        return job if attr == "eval_job" else job.__dataclass_fields__["scheme"].type
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
-
-
-def eval_config(job: DictConfig, schemes=None) -> tuple[DictConfig, dict]:
-    """``posbench eval``: the run's resolved config with ``job.eval`` in place of its evaluation settings, and
-    the options given in ``job.scheme`` (those not None) in place of its scheme's (``scheme.scaling=yarn
-    scheme.factor=16`` on a RoPE run). The model is then rebuilt from the checkpoint's spec with the changed
-    options (:func:`eval_overrides`).
-
-    Returns (checked config, checkpoint dict). Raises ConfigError for a run folder without a readable
-    checkpoint of a known format, for evaluation settings the run cannot serve (see :func:`finalize`), for a
-    scheme option the run's scheme lacks (the message lists its options), a value of the wrong type or one the
-    scheme's ``resolve`` refuses, and for options with which the checkpoint's weights no longer fit the model.
+    Attributes:
+        config: the run's config with the job's ``eval.*`` and changed scheme options in place, finalized.
+        state: the run's checkpoint (``posbench.checkpoint.read``).
+        corpus: the run's corpus, its evaluation split checked against the lengths.
+        model: the model, built with the changed options, the trained weights loaded, on the CPU.
+        overrides: the scheme options that differ from the trained model's spec (``{}``: the model as trained).
+        run_dir: the run folder. device, threads: where to compute (``device`` checked, not yet resolved).
     """
-    from posbench import checkpoint
 
-    _check_keys(job, EvalJob())
-    path = Path(job.run) / checkpoint.NAME
+    config: DictConfig
+    state: dict
+    corpus: data.Corpus
+    model: torch.nn.Module
+    overrides: dict
+    run_dir: Path
+    device: str
+    threads: int | None
+
+    @cached_property
+    def label(self) -> str:
+        """The variant label of the model as evaluated (``rope+yarn×16``): the eval file's name, wandb, report rows."""
+        return variant_label(to_dict(self.config.scheme))
+
+
+def prepare(job: DictConfig) -> EvalJob:
+    """The job of the composed ``posbench eval`` config ``job``.
+
+    Raises:
+        ConfigError: a run folder without a readable checkpoint of a known format, evaluation settings the run
+            cannot serve (``posbench.config.finalize``), a scheme option the run's scheme lacks (the message lists
+            its options), a value of the wrong type or one the scheme's ``resolve`` refuses, options with which the
+            checkpoint's weights no longer fit the model, or an evaluation split too short for the lengths.
+        posbench.data.DataError: the run's corpus cannot be prepared.
+    """
+    check_keys(job, EvalJobConfig())
     try:
-        state = checkpoint.read(path)
+        state = checkpoint.read(Path(job.run) / checkpoint.NAME)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"run={job.run!r}: {e}") from None
     check_device("device", job.device)
     cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
     cfg.eval = job.eval
-    given = job.get("scheme")
-    given = {k: v for k, v in to_dict(given).items() if v is not None} if isinstance(given, DictConfig) else {}
+    given = {k: v for k, v in to_dict(job.scheme).items() if v is not None} if isinstance(job.get("scheme"), DictConfig) else {}
     if given:
-        cfg.scheme = _changed_scheme(cfg.scheme, given, job.run, schemes)
-    cfg = finalize(cfg, schemes)
-    if given:
-        _check_fit(state, eval_overrides(cfg, state), given)
-    return cfg, state
+        cfg.scheme = _changed_scheme(cfg.scheme, given, job.run)
+    finalize(cfg)
+    trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
+    overrides = _overrides(to_dict(cfg.scheme), trained["scheme"])
+    model = _trained_model(state, trained, overrides, given)
+    return EvalJob(cfg, state, prepare_data(cfg), model, overrides, Path(job.run), job.device, job.threads)
 
 
-def _changed_scheme(scheme: DictConfig, given: dict, run: str, schemes=None) -> DictConfig:
+def run(job: EvalJob, progress=None) -> dict:
+    """Score ``job`` and return its record, written (rank 0; under torchrun the windows are sharded) to a new
+    ``eval-<label>-<protocol>-<split>-<n>.json`` claimed exclusively, so earlier results are never overwritten and
+    two evaluations started together write two files. The record's config holds the job's settings, and
+    ``scheme_overrides`` lists the changed options (absent when the model is the trained one as it was).
+    ``progress``: an optional callable(str) told which length is being scored."""
+    device, threads, e = resolve_device(job.device), set_threads(job.threads), job.config.eval
+    rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
+                    e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
+    extra = {"scheme_overrides": job.overrides["scheme"]} if job.overrides else {}
+    rec = results.record(to_dict(job.config), rows, job.label, split=e.split, train_tokens=job.state.get("train_tokens"),
+                         train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
+                         scored_split=job.corpus.same_as.get(e.split, e.split), **extra)
+    if dist.rank() == 0:
+        path = results.write_results(job.run_dir, rec, results.new_eval_stem(job.run_dir, rec["label"], e.protocol, e.split))
+        print(results.run_table(rec) + f"\n\nwritten: {path}", flush=True)
+    return rec
+
+
+def _changed_scheme(scheme: DictConfig, given: dict, run: str) -> DictConfig:
     """The run's scheme section with the ``given`` options in place, type-checked against the scheme's schema."""
-    schemes = positional.SCHEMES if schemes is None else schemes
     name = scheme.name
-    allowed = schemes[name].options() if name in schemes else []
+    allowed = SCHEMES[name].options() if name in SCHEMES else []
     for key, value in given.items():
         if key not in allowed:
             raise ConfigError(f"scheme.{key}={value!r}: the run {run!r} has the {name} scheme, which has no option "
@@ -114,41 +121,28 @@ def _changed_scheme(scheme: DictConfig, given: dict, run: str, schemes=None) -> 
         raise ConfigError(f"scheme.{key}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}") from None
 
 
-def eval_overrides(cfg: DictConfig, state: dict) -> dict:
-    """The model overrides of ``posbench eval``: ``{"scheme": {option: value}}`` for every option of the resolved
-    ``cfg.scheme`` that differs from the checkpoint's spec (an option the spec lacks reads as the scheme's
-    ``Config`` default), or ``{}`` when there is none: ``checkpoint.build_model(spec, overrides)`` is then the
-    model ``cfg`` describes."""
-    from posbench import checkpoint
-
-    spec = (state.get("spec") or checkpoint.model_spec(state["config"], state["vocab_size"]))["scheme"]
-    cls = positional.SCHEMES[cfg.scheme.name]
-    defaults = dataclasses.asdict(cls.Config())
-    changed = {k: v for k, v in to_dict(cfg.scheme).items()
-               if k != "name" and v != spec.get(k, defaults.get(k))}
+def _overrides(scheme: dict, trained: dict) -> dict:
+    """``{"scheme": {option: value}}`` for every option of the resolved ``scheme`` section that differs from the
+    trained spec's ``trained`` (an option it lacks reads as the scheme's ``Config`` default), or ``{}``."""
+    defaults = dataclasses.asdict(SCHEMES[scheme["name"]].Config())
+    changed = {k: v for k, v in scheme.items() if k != "name" and v != trained.get(k, defaults.get(k))}
     return {"scheme": changed} if changed else {}
 
 
-def _check_fit(state: dict, overrides: dict, given: dict) -> None:
-    """Raise ConfigError unless the scheme built with ``overrides`` takes the checkpoint's scheme weights (same
-    names and shapes), and its constructor accepts the options."""
-    import torch
+def _trained_model(state: dict, trained: dict, overrides: dict, given: dict) -> torch.nn.Module:
+    """The model of the spec ``trained`` with ``overrides``, the checkpoint's weights loaded, in eval mode, on the CPU.
 
-    from posbench import checkpoint
-
-    if not overrides:
-        return
-    spec = state.get("spec") or checkpoint.model_spec(state["config"], state["vocab_size"])
-    options = {**spec["scheme"], **overrides["scheme"]}
-    name = options.pop("name", DEFAULT_SCHEME)
+    Raises ConfigError when the changed options are refused by the scheme or give scheme weights of other names
+    or shapes than the trained ones."""
     changed = ", ".join(f"scheme.{k}={v!r}" for k, v in given.items())
     try:
-        with torch.random.fork_rng(devices=[]):
-            scheme = positional.build_scheme(name, spec["model"]["d_model"], spec["model"]["n_head"], **options)
+        model = build.build_model(trained, overrides)
     except ValueError as e:
         raise ConfigError(f"{changed}: {e}") from None
-    built = {f"scheme.{k}": tuple(v.shape) for k, v in scheme.state_dict().items()}
+    built = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("scheme.")}
     saved = {k: tuple(v.shape) for k, v in state["model"].items() if k.startswith("scheme.")}
     if built != saved:
-        raise ConfigError(f"{changed}: the run's trained {name} weights do not fit a model built with it "
+        raise ConfigError(f"{changed}: the run's trained {trained['scheme']['name']} weights do not fit a model built with it "
                           f"(the checkpoint has {saved or 'no scheme weights'}, the model {built or 'none'})")
+    model.load_state_dict(state["model"])
+    return model.eval()

@@ -1,7 +1,8 @@
 """Perplexity at many evaluation lengths, under the protocols of docs/design.md §6, with per-position loss.
 
-Imports no training code. ``evaluate(model, tokens, lengths, ...)`` scores the same span of N target
-tokens at every evaluation length, so perplexities compare across lengths:
+The evaluation protocol alone, pure: a model and tokens in, rows out (``posbench eval``'s job is
+posbench/eval_job.py). ``evaluate(model, tokens, lengths, ...)`` scores the same span of N target tokens at every
+evaluation length, so perplexities compare across lengths:
 
 * ``nonoverlapping`` — the stream is cut into consecutive windows of L_eval tokens; each window
   predicts its next L_eval tokens, so every target is scored exactly once (the first target of a window
@@ -144,33 +145,3 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                         "window_nll": win_sum.tolist(), "window_tokens": [size - first for _, size, first in wins]})
     model.train(was_training)
     return results
-
-
-def reevaluate(cfg, state: dict, run_dir, device, threads: int, progress=None) -> dict:
-    """``posbench eval``: score the checkpoint ``state`` of ``run_dir`` with ``cfg.eval``; return the record
-    written to a new ``eval-<label>-<protocol>-<split>-<n>.json`` (claimed exclusively: earlier results are never
-    overwritten, and two evaluations started together write two files).
-
-    The model is the checkpoint's spec with the scheme options of ``cfg`` that differ from it
-    (``posbench.eval_job.eval_overrides``, e.g. ``scheme.scaling=yarn``); the record's config holds them, and
-    ``scheme_overrides`` lists them (absent when the model is the trained one as it was)."""
-    from pathlib import Path
-
-    from posbench import checkpoint, data, dist, results
-    from posbench.config import to_dict
-    from posbench.eval_job import eval_overrides
-
-    run_dir, e = Path(run_dir), cfg.eval
-    corpus = data.prepare(**state["config"]["data"])  # the same cache key: reused, or rebuilt if deleted
-    overrides = eval_overrides(cfg, state)
-    extra = {"scheme_overrides": overrides["scheme"]} if overrides else {}
-    model = checkpoint.model_from(state, device, overrides)
-    rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
-                    e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
-    rec = results.record(to_dict(cfg), rows, split=e.split, train_tokens=state.get("train_tokens"),
-                         train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
-                         scored_split=corpus.same_as.get(e.split, e.split), **extra)
-    if dist.rank() == 0:  # under torchrun the windows were sharded; one rank writes
-        path = results.write_results(run_dir, rec, results.new_eval_stem(run_dir, rec["label"], e.protocol, e.split))
-        print(results.run_table(rec) + f"\n\nwritten: {path}", flush=True)
-    return rec

@@ -44,6 +44,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import ContextManager, Iterator, Optional, Sequence
 
+import torch
 from omegaconf import OmegaConf
 
 log = logging.getLogger("posbench")
@@ -59,7 +60,7 @@ def visible_devices() -> list[str]:
 
     ``CUDA_VISIBLE_DEVICES`` when set (like CUDA, the list ends at the first empty or negative entry, so
     ``""`` and ``"-1"`` mean none); else ``"0"…"n-1"`` for the ``torch.cuda.device_count()`` GPUs,
-    which asks NVML and so does not initialise CUDA. An empty list without a CUDA build of torch.
+    which asks NVML and so does not initialise CUDA (none without a CUDA build of torch).
     """
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -69,10 +70,6 @@ def visible_devices() -> list[str]:
                 break
             devices.append(entry)
         return devices
-    try:
-        import torch
-    except ImportError:
-        return []
     return [str(i) for i in range(torch.cuda.device_count())]
 
 

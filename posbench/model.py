@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from posbench import attention
-from posbench.positional import PositionalScheme
+from posbench.schemes.base import PositionalScheme
 
 
 class HeadNLL(torch.autograd.Function):

@@ -7,9 +7,9 @@ length, :data:`CSV_COLUMNS`) into its run folder; each ``posbench eval`` adds an
 protocol, stride, split, seed, tokens and time trained, environment, and the fields its caller adds
 (``scored_split``, ``status``, ``world_size``, …) — then ``results``, one row per evaluation length with its
 per-position and per-window NLL, and ``config``, the resolved config. A failed run's record is ``{format,
-status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (:mod:`posbench.report`).
+status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (posbench/compare.py).
 
-    rec = record(config, rows, split="validation", train_tokens=n, train_seconds=s, device="cpu", threads=4)
+    rec = record(config, rows, "rope", split="validation", train_tokens=n, train_seconds=s, device="cpu", threads=4)
     write_results(run_dir, rec)                                  # results.json, results.csv
     write_results(run_dir, rec, new_eval_stem(run_dir, rec["label"], rec["protocol"], rec["split"]))
     print(run_table(rec))
@@ -22,23 +22,22 @@ import itertools
 import json
 from pathlib import Path
 
-from posbench.positional import variant_label
+import torch
 
-FORMAT = 3  # 3: config.scheme holds the scheme's own options only; 2: rows carry window_nll / window_tokens
-READABLE = (1, 2, 3)  # older records are read too, their configs through posbench.config.upgrade
+FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the scheme's own options only; 2: rows
+READABLE = (1, 2, 3, 4)  # carry window_nll / window_tokens. Older records are read too (posbench.upgrade.upgrade)
 CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
                "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
 
 
-def record(config: dict, rows: list[dict], split: str, train_tokens: int, train_seconds: float, device: str,
-           threads: int, **extra) -> dict:
-    """One run's results record: what ran (scheme, model, data, L, protocol, seed, environment) and ``rows``
-    (as :func:`posbench.evaluate.evaluate` returns them). ``extra`` adds fields, e.g. ``scored_split``: the
-    split whose files were scored when the corpus lacks ``split`` (the report reads a missing one as ``split``)."""
-    import torch
-
+def record(config: dict, rows: list[dict], label: str, split: str, train_tokens: int, train_seconds: float,
+           device: str, threads: int, **extra) -> dict:
+    """One run's results record: what ran (scheme, its variant ``label``, model, data, L, protocol, seed,
+    environment) and ``rows`` (as :func:`posbench.evaluate.evaluate` returns them). ``extra`` adds fields, e.g.
+    ``scored_split``: the split whose files were scored when the corpus lacks ``split`` (the report reads a missing
+    one as ``split``)."""
     e = config["eval"]
-    return {"format": FORMAT, "scheme": config["scheme"]["name"], "label": variant_label(config["scheme"]),
+    return {"format": FORMAT, "scheme": config["scheme"]["name"], "label": label,
             "model": config["model"]["name"],
             "data": config["data"]["name"], "train_length": config["train"]["seq_len"], "lengths": list(e["lengths"]),
             "protocol": e["protocol"], "stride": e["stride"], "split": split, "seed": config["seed"],

@@ -21,6 +21,7 @@ import math
 import statistics
 
 import numpy as np
+from scipy.stats import ttest_ind
 
 ALPHA = 0.05  # two-sided significance level of the Welch test
 LEVEL = 0.95  # bootstrap confidence level
@@ -31,8 +32,6 @@ SEED = 0  # a fixed generator seed: the same runs always give the same report
 def welch_p(a: list[float], b: list[float]) -> float:
     """Two-sided p-value of Welch's t-test (Welch 1947) that samples ``a`` and ``b`` (per-seed NLL, nats/token)
     have the same mean; NaN when it is undefined (both samples without spread)."""
-    from scipy.stats import ttest_ind
-
     return float(ttest_ind(a, b, equal_var=False).pvalue)
 
 

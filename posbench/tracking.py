@@ -16,6 +16,8 @@ import os
 import uuid
 from pathlib import Path
 
+from posbench import dist
+
 
 class Tracker:
     """One wandb run, or nothing.
@@ -38,7 +40,7 @@ class Tracker:
         self.run = None
         if not enabled or os.environ.get("WANDB_MODE", "offline") == "disabled":
             return
-        import wandb
+        import wandb  # here, not at the top: a run with wandb off never pays its import
 
         resume = {}
         if job_type == "train":  # one wandb run per run folder: a resumed run continues the one it started
@@ -56,6 +58,16 @@ class Tracker:
         self.run.define_metric("eval/*", step_metric="eval/length")
         self._step = 0
 
+    @classmethod
+    def from_config(cls, cfg, out_dir: Path, job_type: str, name: str | None = None, sweep_dir: Path | None = None,
+                    config: dict | None = None) -> "Tracker":
+        """The tracker a job's config asks for (``cfg.wandb``: enabled, project, entity, tags), on rank 0 only, in
+        the wandb group of the sweep folder ``sweep_dir`` (:func:`sweep_group`; None: no group)."""
+        w = cfg.wandb
+        return cls(w.enabled and dist.rank() == 0, out_dir, w.project, w.entity, name=name,
+                   group=sweep_group(sweep_dir) if sweep_dir else None, config=config, job_type=job_type,
+                   tags=list(w.tags))
+
     def log_train(self, step: int, **metrics: float) -> None:
         """Training metrics at optimizer ``step`` (loss in nats/token, lr, grad_norm, tokens_per_s)."""
         if self.run:
@@ -65,7 +77,7 @@ class Tracker:
         """Perplexity/NLL per evaluation length, and each length's per-position NLL as a line plot."""
         if not self.run:
             return
-        import wandb
+        import wandb  # (as in __init__: only a run with wandb on imports it)
 
         for r in rows:
             self._log({f"{prefix}/length": r["length"], f"{prefix}/ppl": r["ppl"], f"{prefix}/nll": r["nll"]})
@@ -79,7 +91,7 @@ class Tracker:
         """A sweep's report: perplexity vs length of every scheme in one chart, and the report's PNGs."""
         if not self.run:
             return
-        import wandb
+        import wandb  # (as in __init__: only a run with wandb on imports it)
 
         xs = sorted({x for x_list, _ in series.values() for x in x_list})
         ys = [[dict(zip(x_list, y_list)).get(x, float("nan")) for x in xs] for x_list, y_list in series.values()]
@@ -100,3 +112,8 @@ class Tracker:
         if self.run:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+def sweep_group(sweep_dir: Path) -> str:
+    """The wandb group of a sweep: its folder's last two parts (``2026-11-21/10-00-00``)."""
+    return "/".join(Path(sweep_dir).parts[-2:])

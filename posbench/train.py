@@ -1,14 +1,14 @@
 """The training loop: fit a small causal LM at train length L, checkpoint it, evaluate it at L…16L.
 
-``train(cfg, out_dir)`` is what ``posbench train`` runs inside its Hydra run folder:
-prepare data → check the evaluation span → build the model → AdamW with linear warmup and cosine
-decay → checkpoints → perplexity at every evaluation length → ``results.json`` / ``results.csv``.
-Batches are random crops of L + 1 tokens from the train memmap; batch i is a pure function of
-(seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training
-checkpoint (``resume=auto``, the default) sees the same batches and, on CPU with the same thread
-count, produces bit-identical losses. Under torchrun the loop runs DDP; rank 0 alone writes.
-Per-step metrics go to ``metrics.jsonl`` (and wandb); SIGTERM or SIGUSR2 saves a checkpoint and exits with
-:data:`EXIT_PREEMPTED`; a non-finite loss or gradient stops the run, marked failed.
+``train(job)`` runs a prepared job (posbench/train_job.py) in its run folder: set up the process → build the model
+from the job's spec → AdamW with linear warmup and cosine decay → the training steps (:class:`Loop`) with training
+states (posbench/training_state.py) → perplexity at every evaluation length → ``checkpoint.pt``, ``results.json``
+and ``results.csv``. Batches are random crops of L + 1 tokens from the train memmap; batch i is a pure function of
+(seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training state
+(``resume=auto``, the default) sees the same batches and, on CPU with the same thread count, produces
+bit-identical losses. Under torchrun the loop runs DDP; rank 0 alone writes. Per-step metrics go to
+``metrics.jsonl`` (and wandb); SIGTERM or SIGUSR2 saves a checkpoint and exits with :data:`EXIT_PREEMPTED`; a
+non-finite loss or gradient stops the run, marked failed.
 """
 
 from __future__ import annotations
@@ -21,18 +21,21 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import checkpoint, data, dist, results, resume
-from posbench.config import ConfigError, check_device, finalize, to_dict
-from posbench.evaluate import evaluate, span
-from posbench.positional import SCHEMES
+from posbench import build, checkpoint, dist, results
+from posbench.config import to_dict
+from posbench.device import resolve_device, set_threads
+from posbench.evaluate import evaluate
 from posbench.tracking import Tracker
+from posbench.train_job import TrainJob
+from posbench.training_state import Progress, TrainingStates
 
 log = logging.getLogger("posbench")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR2 after saving a checkpoint; re-run to resume
@@ -47,18 +50,186 @@ class Preempted(Exception):
     """SIGTERM or SIGUSR2 arrived; a checkpoint was saved. The CLI exits with EXIT_PREEMPTED."""
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU. Raises ConfigError as :func:`posbench.config.check_device`."""
-    check_device("train.device", name)
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the run: its torchrun rank and world size, its device and CPU threads."""
+
+    rank: int
+    world: int
+    device: torch.device
+    threads: int
 
 
-def set_threads(threads: int | None) -> int:
-    """Set torch's CPU thread count (default: the cores this process may run on, shared among the
-    processes torchrun started on this machine); return it."""
-    n = threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(n)
-    return n
+def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
+    """Train (or resume), checkpoint and evaluate the prepared ``job`` in its run folder ``job.run_dir``; return the
+    results record. ``tracker`` (a :class:`posbench.tracking.Tracker`) receives train and eval metrics.
+
+    Raises:
+        posbench.checkpoint.CheckpointError: the run folder cannot take a checkpoint.
+        TrainingFailed: a non-finite loss or gradient (the step is in the message).
+        Preempted: SIGTERM or SIGUSR2 arrived and a checkpoint was saved (for SIGUSR2 a handler installed
+            before, such as submitit's, is called first: it may requeue the job and exit instead).
+    """
+    cfg, t, e, out_dir = job.config, job.config.train, job.config.eval, job.run_dir
+    tracker, config = tracker or Tracker(False, out_dir, ""), to_dict(cfg)
+    proc = start_process(t.device, t.threads, cfg.seed)
+    model = build.build_model(job.spec).to(proc.device)
+    seed_rank(cfg.seed, proc.rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
+    optimizer = make_optimizer(model, t, fused=proc.device.type == "cuda")
+    states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device)
+    progress = states.start(job.state, model, optimizer, fresh=cfg.resume == "never")
+    if progress.resumed_from:
+        log.info("resumed from the checkpoint at step %d in %s", progress.step, out_dir / checkpoint.STATES)
+    states.check_room(model)
+    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", cfg.scheme.name,
+             f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
+             proc.device, proc.threads, job.corpus.root)
+    with stop_signals() as (received, previous):
+        if Loop(job, model, optimizer, states, proc, tracker).run(progress, received):  # a stop signal reached a rank
+            states.save(progress, model, optimizer)
+            signum, frame = received[0] if received else (signal.SIGTERM, None)  # (another rank's signal)
+            if signum == signal.SIGUSR2 and callable(previous[signum]):  # the handler there first (submitit's
+                previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
+            raise Preempted(f"{signal.Signals(signum).name} at step {progress.step}: checkpoint saved in "
+                            f"{out_dir / checkpoint.STATES}; re-run the same command to resume")
+    wall = progress.elapsed()
+    if (progress.resumed_from or 0) < t.steps:
+        states.save(progress, model, optimizer)
+    digests = dist.gather(_param_digest(model))
+    if len(set(digests)) > 1:
+        raise TrainingFailed(f"parameters differ across ranks after training: {digests}")
+    rows = evaluate(model, job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
+                    e.batch_tokens, proc.device, progress=log.info if proc.rank == 0 else None, rank=proc.rank,
+                    world=proc.world)
+    record = results.record(config, rows, job.label, split=e.split, scored_split=job.corpus.same_as.get(e.split, e.split),
+                            train_tokens=progress.tokens, train_seconds=wall, device=str(proc.device),
+                            threads=proc.threads, world_size=proc.world, world_sizes=progress.world_sizes,
+                            status="complete", final_loss=progress.loss if math.isfinite(progress.loss) else None,
+                            param_sha256=digests, resumed_from=progress.resumed_from)
+    dist.main_only(lambda: write_outputs(job, model, config, record, tracker))
+    return record
+
+
+def start_process(device: str, threads: int | None, seed: int) -> Process:
+    """Join the torchrun process group (if any), take the device and the CPU threads, turn on deterministic
+    algorithms on CPU (bit-exact resume; without NaN-filling every new tensor, which would cost ~5% a step), and
+    seed torch's generator with the run's seed."""
+    dist.init()
+    where = torch.device(dist.device_of(str(resolve_device(device))))
+    n = set_threads(threads)
+    if where.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.manual_seed(seed)
+    return Process(dist.rank(), dist.world(), where, n)
+
+
+@contextmanager
+def stop_signals():
+    """While the loop runs, SIGTERM and SIGUSR2 are noted, to be acted on at the next host sync: yields (the signals
+    received, as (number, frame), and the handlers that were installed before), and puts those back at the end."""
+    received = []
+    previous = {s: signal.signal(s, lambda *sig: received.append(sig)) for s in STOP_SIGNALS}
+    try:
+        yield received, previous
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class Loop:
+    """The training steps of one process, from a run's :class:`~posbench.training_state.Progress` to
+    ``train.steps``: the step function, one host sync every ``train.sync_every`` steps (1 on CPU, 16 on CUDA by
+    default; a checkpoint step and the last step always sync), metrics, and the training states that are due."""
+
+    def __init__(self, job: TrainJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 states: TrainingStates, proc: Process, tracker: Tracker):
+        self.job, self.t, self.model, self.optimizer, self.states = job, job.config.train, model, optimizer, states
+        self.proc, self.tracker, self.main = proc, tracker, proc.rank == 0
+        net = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
+        self.forward = _compiled(net) if self.t.compile else net
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=proc.device.type == "cuda")
+        self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
+
+    def run(self, progress: Progress, received: list) -> bool:
+        """Train from ``progress.step`` (updated in place) to ``train.steps``. Returns True when a stop signal
+        reached some rank (seen at a host sync, after which no step ran), False when every step ran.
+        Raises TrainingFailed at a non-finite loss or gradient."""
+        t, sync_every = self.t, self.t.sync_every or (1 if self.proc.device.type == "cpu" else 16)
+        progress.started, tokens0, window = time.perf_counter(), progress.tokens, []
+        with self.states.metrics(progress.step) as (metrics, logged), tqdm(
+                total=t.steps, initial=progress.step, desc=f"train {self.job.config.scheme.name}", disable=self.quiet,
+                dynamic_ncols=True) as bar:
+            for i in range(progress.step, t.steps):
+                window.append(self.step(i))
+                progress.step, progress.tokens = i + 1, progress.tokens + t.batch_size * t.seq_len * self.proc.world
+                due = bool(t.checkpoint_every) and progress.step % t.checkpoint_every == 0 and progress.step < t.steps
+                if len(window) < sync_every and not due and progress.step < t.steps:
+                    continue
+                losses, norms, stop = sync_steps([w[2] for w in window], [w[3] for w in window], bool(received))
+                tok_s = (progress.tokens - tokens0) / (time.perf_counter() - progress.started)
+                synced = [(s, lr, loss, norm) for (s, lr, _, _), loss, norm in zip(window, losses, norms)]
+                self.log(synced, tok_s, metrics, logged)
+                progress.loss, window = losses[-1], []
+                bar.set_postfix(loss=f"{progress.loss:.3f}", lr=f"{synced[-1][1]:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                bar.update(progress.step - bar.n)
+                if stop:
+                    return True
+                if due:
+                    self.states.save(progress, self.model, self.optimizer)
+        return False
+
+    def step(self, i: int) -> tuple:
+        """Optimizer step ``i`` (0-based) → (its number i + 1, lr, loss, gradient norm), the last two on the device."""
+        t, seed = self.t, self.job.config.seed
+        lr = t.lr * lr_factor(i, t.warmup_steps, t.steps, t.min_lr / t.lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = (b.to(self.proc.device, non_blocking=True)
+                for b in get_batch(self.job.corpus.tokens["train"], i, seed, t.batch_size, t.seq_len, self.proc.rank))
+        with self.autocast:
+            loss = self.forward(x, targets=y).mean()  # mean NLL over the batch's B·L targets
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
+        self.optimizer.step()  # a non-finite step is found at the next host sync, before any checkpoint is saved
+        return i + 1, lr, loss.detach(), grad_norm.detach()
+
+    def log(self, steps: list[tuple], tok_s: float, metrics, logged: int) -> None:
+        """The synced (step, lr, loss, grad_norm) of a window: each checked, then written to ``metrics.jsonl``, sent to
+        wandb (past ``logged``: the steps a killed run sent already) and, without a progress bar, logged every
+        ``train.log_every`` steps. Raises TrainingFailed at the first non-finite one, after marking the run failed."""
+        t = self.t
+        for s, lr, loss, norm in steps:
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                self.fail(s, "loss" if not math.isfinite(loss) else "gradient")
+            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s}
+            if self.main:
+                metrics.write(json.dumps(row) + "\n")
+                if s > logged:
+                    self.tracker.log_train(s, **{k: v for k, v in row.items() if k != "step"})
+                if self.quiet and ((s - 1) % t.log_every == 0 or s == t.steps):
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", s, t.steps, loss, lr, norm, tok_s)
+
+    def fail(self, step: int, what: str) -> None:
+        """Mark the run failed at ``step`` (``results.json``, wandb) and raise TrainingFailed."""
+        message = f"non-finite {what} at step {step}; the last good checkpoint is kept"
+        dist.main_only(lambda: results.write_results(self.job.run_dir, {
+            "format": results.FORMAT, "status": "failed", "error": message, "step": step, "results": [],
+            "config": to_dict(self.job.config)}))
+        self.tracker.summary(status="failed", failed_step=step)
+        raise TrainingFailed(message)
+
+
+def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: dict, tracker: Tracker) -> None:
+    """Rank 0's files of a finished run: ``checkpoint.pt`` (with the job's spec), ``results.json``/``.csv``; the
+    evaluation to wandb, and the run's table to stdout."""
+    tokenizer = {"path": str(job.corpus.tokenizer_path), "key": job.corpus.key}
+    checkpoint.save(job.run_dir / checkpoint.NAME, model, job.spec, config, tokenizer, job.config.train.steps,
+                    train_tokens=record["train_tokens"])
+    results.write_results(job.run_dir, record)
+    tracker.log_eval(record["results"])
+    print(results.run_table(record), flush=True)
 
 
 def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int, rank: int = 0):
@@ -116,171 +287,6 @@ def _param_digest(model: torch.nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()
-
-
-def check_data(cfg: DictConfig) -> data.Corpus:
-    """Prepare the corpus of ``cfg.data`` (cached) and check its splits can serve the run.
-
-    Raises:
-        posbench.data.DataError: unusable data.
-        ConfigError: the evaluation split is shorter than the longest evaluation length (the message
-            gives its token count), or the train split is shorter than L + 1.
-    """
-    t, e = cfg.train, cfg.eval
-    corpus = data.prepare(**to_dict(cfg.data))
-    try:
-        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
-    except ValueError as err:
-        raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
-    if len(corpus.tokens["train"]) <= t.seq_len + 1:
-        raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
-    return corpus
-
-
-def train(cfg: DictConfig, out_dir: Path, tracker: Tracker | None = None) -> dict:
-    """Train (or resume), checkpoint and evaluate one run into ``out_dir``; return the results record.
-
-    ``tracker`` (a :class:`posbench.tracking.Tracker`) receives train and eval metrics.
-
-    Raises:
-        ConfigError: a bad value (see ``posbench.config.finalize``), an evaluation split too short, or
-            a resume whose config changed (the message names the keys).
-        posbench.data.DataError: unusable data.
-        checkpoint.CheckpointError: the run folder cannot take a checkpoint.
-        TrainingFailed: a non-finite loss or gradient (the step is in the message).
-        Preempted: SIGTERM or SIGUSR2 arrived and a checkpoint was saved (for SIGUSR2 a handler installed
-            before, such as submitit's, is called first: it may requeue the job and exit instead).
-    """
-    finalize(cfg, SCHEMES)
-    tracker = tracker or Tracker(False, out_dir, "")
-    t, e = cfg.train, cfg.eval
-    dist.init()
-    rank, world, main = dist.rank(), dist.world(), dist.rank() == 0
-    device = torch.device(dist.device_of(str(resolve_device(t.device))))
-    threads = set_threads(t.threads)
-    if device.type == "cpu":  # bit-exact resume; NaN-filling every new tensor (its default) would cost ~5% per step
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.manual_seed(cfg.seed)
-    quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not main
-    config = to_dict(cfg)
-    corpus = dist.main_only(lambda: check_data(cfg)) or check_data(cfg)  # rank 0 builds the cache, the others read it
-
-    model = checkpoint.build_model(checkpoint.model_spec(config, corpus.vocab_size)).to(device)
-    seed_rank(cfg.seed, rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
-    optimizer = make_optimizer(model, t, fused=device.type == "cuda")
-    step0, seen, wall0, world_sizes = 0, 0, 0.0, [[0, world]]  # world_sizes: [first step, processes] per stretch
-    state = resume.resume_state(cfg, out_dir)
-    if cfg.resume == "never" and main:  # start over: the old states must not outrank the new ones
-        for old in (out_dir / checkpoint.STATES).glob("step-*"):
-            old.unlink()
-    if state is not None:
-        step0, seen, wall0, world_sizes = resume.restore(state, model, optimizer, device)
-        log.info("resumed from the checkpoint at step %d in %s", step0, out_dir / checkpoint.STATES)
-    nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-    dist.main_only(lambda: checkpoint.check_room(out_dir / checkpoint.STATES, nbytes))
-    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    fwd = _compiled(net) if t.compile else net
-    sync_every = t.sync_every or (1 if device.type == "cpu" else 16)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s",
-             cfg.scheme.name, f"{n_params:,}", t.seq_len, t.steps, t.batch_size, world, device, threads, corpus.root)
-
-    def save_state(step: int, loss: float) -> None:
-        rngs = dist.gather(resume.rng_state(device))
-        dist.main_only(lambda: checkpoint.save_state(out_dir, {
-            "format": checkpoint.FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng_by_rank": rngs, "train_tokens": seen, "train_seconds": wall0 + time.perf_counter() - start,
-            "loss": loss, "world_sizes": world_sizes, "config": config}, t.keep_checkpoints))
-
-    def fail(step: int, what: str) -> None:
-        message = f"non-finite {what} at step {step}; the last good checkpoint is kept"
-        dist.main_only(lambda: results.write_results(out_dir, {"format": results.FORMAT, "status": "failed", "error": message,
-                                                                "step": step, "results": [], "config": config}))
-        tracker.summary(status="failed", failed_step=step)
-        raise TrainingFailed(message)
-
-    preempted = []  # (signal number, frame) of each stop signal; handled at the next host sync
-    previous = {s: signal.signal(s, lambda *sig: preempted.append(sig)) for s in STOP_SIGNALS}
-    metrics, logged = resume.metrics_file(out_dir, step0) if main else (None, 0)
-    bar = tqdm(total=t.steps, initial=step0, desc=f"train {cfg.scheme.name}", disable=quiet, dynamic_ncols=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    model.train()
-    start, seen0 = time.perf_counter(), seen
-    last_loss = (state or {}).get("loss", math.nan)  # the last synced step's loss (mean over ranks)
-    window = []  # (step, lr, loss, grad_norm) of the steps since the last host sync; losses and norms on the device
-    try:
-        for step in range(step0, t.steps):
-            lr = t.lr * lr_factor(step, t.warmup_steps, t.steps, t.min_lr / t.lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = (b.to(device, non_blocking=True) for b in get_batch(corpus.tokens["train"], step, cfg.seed, t.batch_size, t.seq_len, rank))
-            with autocast:
-                loss = fwd(x, targets=y).mean()  # mean NLL over the batch's B·L targets
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
-            optimizer.step()  # a non-finite step is found at the sync below, before any checkpoint is saved
-            seen += x.numel() * world
-            window.append((step + 1, lr, loss.detach(), grad_norm.detach()))
-            done = step + 1
-            checkpoint_due = bool(t.checkpoint_every) and done % t.checkpoint_every == 0 and done < t.steps
-            if len(window) < sync_every and not checkpoint_due and done < t.steps:
-                continue
-            losses, norms, stop = sync_steps([w[2] for w in window], [w[3] for w in window], bool(preempted))
-            tok_s = (seen - seen0) / (time.perf_counter() - start)
-            for (s, lr_s, _, _), step_loss, norm in zip(window, losses, norms):
-                if not (math.isfinite(step_loss) and math.isfinite(norm)):
-                    fail(s, "loss" if not math.isfinite(step_loss) else "gradient")
-                row = {"step": s, "loss": step_loss, "lr": lr_s, "grad_norm": norm, "tokens_per_s": tok_s}
-                if main:
-                    metrics.write(json.dumps(row) + "\n")
-                    if s > logged:  # wandb already has the steps a killed run logged after its last checkpoint
-                        tracker.log_train(s, **{k: v for k, v in row.items() if k != "step"})
-                if quiet and main and ((s - 1) % t.log_every == 0 or s == t.steps):
-                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f", s, t.steps, step_loss, lr_s, norm, tok_s)
-            last_loss, window = losses[-1], []
-            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
-            bar.update(done - bar.n)
-            if stop:  # a stop signal reached some rank
-                save_state(done, last_loss)
-                signum, frame = preempted[0] if preempted else (signal.SIGTERM, None)  # (another rank's signal)
-                if signum == signal.SIGUSR2 and callable(previous[signum]):  # the handler there first (submitit's
-                    previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
-                raise Preempted(f"{signal.Signals(signum).name} at step {done}: checkpoint saved in "
-                                f"{out_dir / checkpoint.STATES}; re-run the same command to resume")
-            if checkpoint_due:
-                save_state(done, last_loss)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        bar.close()
-        if metrics:
-            metrics.close()
-    wall = wall0 + time.perf_counter() - start
-    if step0 < t.steps:
-        save_state(t.steps, last_loss)
-    digests = dist.gather(_param_digest(model))
-    if len(set(digests)) > 1:
-        raise TrainingFailed(f"parameters differ across ranks after training: {digests}")
-
-    rows = evaluate(model, corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
-                    e.batch_tokens, device, progress=log.info if main else None, rank=rank, world=world)
-    record = results.record(config, rows, split=e.split, scored_split=corpus.same_as.get(e.split, e.split),
-                            train_tokens=seen, train_seconds=wall, device=str(device), threads=threads, world_size=world,
-                            world_sizes=world_sizes, status="complete",
-                            final_loss=last_loss if math.isfinite(last_loss) else None,
-                            param_sha256=digests, resumed_from=step0 or None)
-
-    def write_outputs() -> None:
-        tokenizer = {"path": str(corpus.tokenizer_path), "key": corpus.key}
-        checkpoint.save(out_dir / checkpoint.NAME, model, config, corpus.vocab_size, tokenizer, t.steps, train_tokens=seen)
-        results.write_results(out_dir, record)
-        tracker.log_eval(rows)
-        print(results.run_table(record), flush=True)
-
-    dist.main_only(write_outputs)
-    return record
 
 
 def _compiled(net: torch.nn.Module):

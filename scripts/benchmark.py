@@ -3,7 +3,7 @@
     python scripts/benchmark.py --out bench.json       # model=tiny, L=128, CPU fp32, 2 threads, all schemes
     python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --device cuda --dtype bf16 --compile
 
-On random tokens, one model per scheme (``posbench.checkpoint.build_model``, one seed), it measures:
+On random tokens, one model per scheme (``posbench.build.build_model``, one seed), it measures:
 
 * the matmul ceiling: 1024×1024 @ 1024×1024 in fp32 (bf16), 2·1024³ FLOPs, median of loops of 10 run in turn
   with the training steps (below), so both see the same machine;
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 import posbench
-from posbench.checkpoint import build_model
-from posbench.positional import SCHEMES, PositionalScheme
+from posbench.build import build_model
+from posbench.schemes import SCHEMES, PositionalScheme
 
 BASELINE = "nope"  # causal SDPA, no positions
 EVAL_TIME_X, EVAL_MEM_X, ALIBI_X_ROPE, CEILING_FRACTION = 1.5, 2.0, 1.10, 0.60

@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 import posbench.attention as attention
-from posbench.checkpoint import build_model
-from posbench.positional import SCHEMES, PositionalScheme, build_scheme
+from posbench.build import build_model
+from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 
 L = 16
 H, DH = 4, 8

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from posbench.positional import SCHEMES
+from posbench.schemes import SCHEMES
 
 # ---- a good run -----------------------------------------------------------------------------------
 
@@ -40,11 +40,11 @@ def test_debug_fast_run_writes_results_and_checkpoint(trained_run):
 
 def test_checkpoint_reproduces_reported_perplexity(trained_run):
     """Rebuilding the model from checkpoint.pt and scoring the same split gives the reported numbers."""
-    from posbench import checkpoint, data
+    from posbench import build, checkpoint, data
     from posbench.evaluate import evaluate
 
     state = checkpoint.read(trained_run / "checkpoint.pt")
-    model = checkpoint.model_from(state)
+    model = build.model_from(state)
     rec = json.loads((trained_run / "results.json").read_text())
     corpus = data.load_cached(Path(state["tokenizer"]["path"]).parent)
     e = state["config"]["eval"]

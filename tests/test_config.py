@@ -11,8 +11,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from posbench.config import ConfigError, finalize, register
-from posbench.positional import SCHEMES
+from posbench.cli import register
+from posbench.config import ConfigError, finalize
+from posbench.schemes import SCHEMES
 
 CONFIG_MODULE = "posbench.conf"
 GROUPS = ("scheme", "model", "data", "experiment", "debug")
@@ -58,7 +59,7 @@ def test_config_option_composes_and_finalizes(group, option, hydra_ctx, text_fil
     if group == "data" and option == "text":
         overrides += text_files
     cfg = compose("train", overrides=overrides)
-    finalize(cfg, SCHEMES)
+    finalize(cfg)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     if group in ("scheme", "data"):
         assert cfg[group].name == option.removesuffix("_16k")  # the option's name field matches its option name
@@ -77,30 +78,30 @@ def test_every_job_of_an_experiment_sweep_finalizes(experiment, hydra_ctx):
     axes = [[f"{key}={value.strip()}" for value in str(values).split(",")] for key, values in declared.items()]
     for job in itertools.product(*axes):
         cfg = compose("train", overrides=[f"experiment={experiment}", *job])
-        finalize(cfg, SCHEMES)
+        finalize(cfg)
         if cfg.scheme.name == "learned":
             assert cfg.scheme.max_positions >= max(cfg.eval.lengths)
 
 
 @pytest.mark.parametrize("scheme", options("scheme"))
 def test_debug_fast_with_every_scheme(scheme, hydra_ctx):
-    cfg = finalize(compose("train", overrides=["debug=fast", f"scheme={scheme}"]), SCHEMES)
+    cfg = finalize(compose("train", overrides=["debug=fast", f"scheme={scheme}"]))
     assert cfg.train.seq_len == 32 and cfg.scheme.name == scheme.removesuffix("_16k")
 
 
 def test_learned_16k_is_the_learned_scheme_with_16k_rows(hydra_ctx):
-    cfg = finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned_16k"]), SCHEMES)
+    cfg = finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned_16k"]))
     assert OmegaConf.to_container(cfg.scheme) == {"name": "learned", "max_positions": 16384}
     with pytest.raises(ConfigError, match="scheme.max_positions=8192: .* cannot serve length 16384"):
-        finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned"]), SCHEMES)  # 16·L = 8192
+        finalize(compose("train", overrides=["experiment=compare_gpu", "scheme=learned"]))  # 16·L = 8192
 
 
 @pytest.mark.parametrize("scheme, expected", [
-    ("rope", {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None}), ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
+    ("rope", {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None, "yarn_ramp": "reference"}), ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
     ("learned", {"name": "learned", "max_positions": 16 * 128}), ("alibi", {"name": "alibi"}), ("nope", {"name": "nope"}),
 ])
 def test_a_scheme_section_has_the_scheme_s_own_keys_only(scheme, expected, hydra_ctx):
-    cfg = finalize(compose("train", overrides=[f"scheme={scheme}"]), SCHEMES)
+    cfg = finalize(compose("train", overrides=[f"scheme={scheme}"]))
     assert OmegaConf.to_container(cfg.scheme) == expected
 
 
@@ -131,9 +132,9 @@ def test_eval_config_composes(hydra_ctx):
 
 
 def test_derived_defaults(hydra_ctx):
-    cfg = finalize(compose("train", overrides=["train.seq_len=64"]), SCHEMES)
+    cfg = finalize(compose("train", overrides=["train.seq_len=64"]))
     assert list(cfg.eval.lengths) == [64, 128, 256, 512, 1024]  # L … 16L
-    cfg = finalize(compose("train", overrides=["scheme=learned", "train.seq_len=64"]), SCHEMES)
+    cfg = finalize(compose("train", overrides=["scheme=learned", "train.seq_len=64"]))
     assert cfg.scheme.max_positions == 1024  # the longest evaluation length
 
 
@@ -160,7 +161,7 @@ def test_derived_defaults(hydra_ctx):
 def test_finalize_rejects(overrides, words, hydra_ctx):
     cfg = compose("train", overrides=overrides)
     with pytest.raises(ConfigError) as info:
-        finalize(cfg, SCHEMES)
+        finalize(cfg)
     message = str(info.value)
     assert "\n" not in message
     for word in words:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench import checkpoint, data
+from posbench import build, checkpoint, data
 from posbench.evaluate import evaluate
 from posbench.train import get_batch
 
@@ -101,7 +101,7 @@ def test_sharded_evaluation_matches_a_single_process(ddp):
     run = _run(ddp)
     res = json.loads((run / "results.json").read_text())
     state = checkpoint.read(run / checkpoint.NAME)
-    model = checkpoint.model_from(state)
+    model = build.model_from(state)
     config = state["config"]
     corpus = data.prepare(**config["data"])
     e = config["eval"]

@@ -30,7 +30,7 @@ COMMON = ["debug=fast", "train.threads=1", "eval.lengths=[32,64]", "eval.max_tok
 PRELUDE = textwrap.dedent("""
     import os, signal, sys
     import torch
-    from posbench import checkpoint, train
+    from posbench import build, checkpoint, train
     what, at, who = os.environ["INJECT"], int(os.environ["INJECT_STEP"]), int(os.environ["INJECT_RANK"])
     if int(os.environ["RANK"]) == who:
         if what == "sigterm":
@@ -41,9 +41,9 @@ PRELUDE = textwrap.dedent("""
                 return real(step, *args)
             train.lr_factor = lr_factor
         elif what == "nan":
-            build, calls = checkpoint.build_model, [0]
+            real, calls = build.build_model, [0]
             def build_model(*args, **kwargs):
-                model = build(*args, **kwargs)
+                model = real(*args, **kwargs)
                 def hook(module, inputs, out):
                     if module.training:
                         calls[0] += 1
@@ -51,7 +51,7 @@ PRELUDE = textwrap.dedent("""
                             return out * float("nan")
                 model.register_forward_hook(hook)
                 return model
-            checkpoint.build_model = build_model
+            build.build_model = build_model
         elif what == "bug":  # an error posbench does not foresee, on this rank alone
             real = train.lr_factor
             def lr_factor(step, *args):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posbench.checkpoint import build_model
+from posbench.build import build_model
 from posbench.evaluate import evaluate, span
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
@@ -327,7 +327,8 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(run, tm
     assert scaled["scheme"] == "rope" and scaled["label"] == "rope+linear×4" and plain["label"] == "rope"
     assert scaled["scheme_overrides"] == {"scaling": "linear", "factor": 4.0, "original_length": 32}
     assert scaled["config"]["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "linear", "factor": 4.0,
-                                          "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32}
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32,
+                                          "yarn_ramp": "reference"}
     assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
     assert all(a != b for a, b in zip(ppls(folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").values(),
                                       ppls(folder / "results.json").values()))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from posbench.checkpoint import build_model
+from posbench.build import build_model
 from posbench.evaluate import evaluate, span, windows
 
 # ---- windows --------------------------------------------------------------------------------------

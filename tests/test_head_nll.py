@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.checkpoint import build_model
+from posbench.build import build_model
 from posbench.model import HeadNLL
 
 

@@ -280,7 +280,7 @@ def test_job_gpu_holds_only_under_joblib(monkeypatch, tmp_path):
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_module
 
-    from posbench.config import register
+    from posbench.cli import register
 
     register()
     gpus.register()
@@ -360,7 +360,7 @@ APP = textwrap.dedent("""
     import json, os, time
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from posbench import config, gpus
+    from posbench import cli, config, gpus
 
     @hydra.main(config_path="pkg://posbench.conf", config_name="train", version_base="1.3")
     def task(cfg):
@@ -373,7 +373,7 @@ APP = textwrap.dedent("""
             json.dump(record, f)
 
     if __name__ == "__main__":
-        config.register()
+        cli.register()
         gpus.register()
         task()
 """)

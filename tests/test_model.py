@@ -12,9 +12,9 @@ import torch
 from torch.testing import assert_close
 
 import posbench.attention as attention
-from posbench.checkpoint import build_model
+from posbench.build import build_model
 from posbench.model import GPT, Attention
-from posbench.positional import SCHEMES, build_scheme
+from posbench.schemes import SCHEMES, build_scheme
 
 L = 16  # the "train length" of these random-init models
 VOCAB = 61

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.rotary import RoPE
-from posbench.positional import (SCHEMES, ALiBi, Learned, PositionalScheme, Sinusoidal, alibi_slopes,
-                                 build_scheme)
+from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
+from posbench.schemes.absolute import Learned, Sinusoidal
+from posbench.schemes.alibi import ALiBi, alibi_slopes
+from posbench.schemes.rotary import RoPE
 
 # ---- sinusoidal -----------------------------------------------------------------------------------
 
@@ -277,7 +278,7 @@ def test_learned_table_needs_rows():
 
 
 def test_variant_labels_say_what_the_name_does_not():
-    from posbench.positional import variant_label
+    from posbench.schemes import variant_label
 
     assert variant_label({"name": "t5", "num_buckets": 32}) == "t5"
     assert variant_label({"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0}) == "rope"

@@ -17,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from posbench.checkpoint import build_model, model_spec
+from posbench.build import build_model, model_spec
 from posbench.config import PosbenchConfig, finalize
-from posbench.positional import SCHEMES, build_scheme
+from posbench.schemes import SCHEMES, build_scheme
 
 ALL = sorted(SCHEMES)
 VOCAB = 61
@@ -34,7 +34,7 @@ def config(name: str, d_model: int = 32, scale_embeddings: bool | None = None) -
     cfg.train.seq_len = L
     if scale_embeddings is not None:
         cfg.model.scale_embeddings = scale_embeddings
-    return OmegaConf.to_container(finalize(cfg, SCHEMES), resolve=True)
+    return OmegaConf.to_container(finalize(cfg), resolve=True)
 
 
 def built(name: str, seed: int = 0, **options) -> torch.nn.Module:
@@ -206,7 +206,7 @@ def test_the_model_decays_its_matrices_and_nothing_else(name):
 
 def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
     from posbench.model import GPT
-    from posbench.positional import PositionalScheme
+    from posbench.schemes import PositionalScheme
 
     class Table(PositionalScheme):  # a 2-D learned bias table: rank alone would have it decayed
         def __init__(self, d_model, n_head):
@@ -224,7 +224,7 @@ def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
 def test_scheme_parameters_keep_the_initialisation_their_scheme_gives_them():
     """GPT's init (normal_ for matrices, zeros for names ending in 'bias') must not touch ``scheme.*``."""
     from posbench.model import GPT
-    from posbench.positional import PositionalScheme
+    from posbench.schemes import PositionalScheme
 
     class Slopes(PositionalScheme):
         def __init__(self, d_model, n_head):

@@ -153,7 +153,8 @@ def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_ca
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from posbench import train as train_mod
-    from posbench.config import register
+    from posbench import train_job
+    from posbench.cli import register
 
     stepped = []
 
@@ -169,7 +170,7 @@ def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_ca
     run.mkdir()
     handle = register_optimizer_step_pre_hook(record)
     try:
-        train_mod.train(cfg, run)
+        train_mod.train(train_job.prepare(cfg, run))
     finally:
         handle.remove()
     logged = [r["grad_norm"] for r in metrics(run)]

@@ -31,9 +31,9 @@ from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
 import posbench.attention as attention
-from posbench import checkpoint, cli, config
+from posbench import build, cli
 from posbench.config import ConfigError, finalize, to_dict
-from posbench.positional import SCHEMES, build_scheme
+from posbench.schemes import SCHEMES, build_scheme
 
 NAMES = ["t5", "kerple_log", "kerple_power", "sandwich", "fire"]
 LEARNED = ["t5", "kerple_log", "kerple_power", "fire"]
@@ -318,13 +318,13 @@ def test_learned_parameters_get_the_reference_gradients(name):
 def spec_of(name: str, seq_len: int = L) -> dict:
     cfg = {"scheme": {"name": name}, "train": {"seq_len": seq_len},
            "model": {"n_layer": 2, "n_head": H, "d_model": H * DH, "d_ff": 64}}
-    return checkpoint.model_spec(cfg, VOCAB)
+    return build.model_spec(cfg, VOCAB)
 
 
 @pytest.mark.parametrize("name", LEARNED)
 def test_a_model_s_loss_reaches_every_learned_parameter(name):
     torch.manual_seed(0)
-    model = checkpoint.build_model(spec_of(name))
+    model = build.build_model(spec_of(name))
     idx = torch.randint(0, VOCAB, (2, 2 * L + 1), generator=torch.Generator().manual_seed(1))
     model(idx[:, :-1], targets=idx[:, 1:]).mean().backward()
     params = dict(model.scheme.named_parameters())
@@ -337,10 +337,10 @@ def test_a_model_s_loss_reaches_every_learned_parameter(name):
 def test_a_checkpoint_round_trip_gives_the_same_outputs(name):
     spec = spec_of(name)
     torch.manual_seed(0)
-    model = checkpoint.build_model(spec).eval()
+    model = build.build_model(spec).eval()
     state = model.state_dict()
     torch.manual_seed(1)  # a different draw of every weight, the scheme's included
-    fresh = checkpoint.build_model(spec).eval()
+    fresh = build.build_model(spec).eval()
     if name in LEARNED:
         assert any(not torch.equal(a, b) for a, b in zip(fresh.scheme.parameters(), model.scheme.parameters()))
     fresh.load_state_dict(state)
@@ -421,7 +421,7 @@ def test_config_defaults_and_resolution():
 
 @pytest.fixture(scope="module")
 def registered():
-    config.register()  # the scheme group, made from SCHEMES (which holds this module's schemes)
+    cli.register()  # the scheme group, made from SCHEMES (which holds this module's schemes)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -434,8 +434,8 @@ def test_posbench_train_debug_fast_composes_and_finalizes(name, registered):
                     "kerple_power": {"r1_max": None, "r2_max": None}, "sandwich": {"dim": None},
                     "fire": {"mlp_width": 32, "init_c": 0.1, "threshold": seq_len}}[name]
         assert cfg["scheme"] == {"name": name, **expected}
-        spec = checkpoint.model_spec(cfg, VOCAB)
-        checkpoint.build_model(spec, {"model": {"n_layer": 1}})  # the composed config builds a model
+        spec = build.model_spec(cfg, VOCAB)
+        build.build_model(spec, {"model": {"n_layer": 1}})  # the composed config builds a model
         bad = {"t5": "scheme.num_buckets=1", "kerple_log": "scheme.r1_max=-1", "kerple_power": "scheme.r2_max=5",
                "sandwich": "scheme.dim=3", "fire": "scheme.threshold=0"}[name]
         with pytest.raises(ConfigError, match=rf"^{bad.split('=')[0]}="):

@@ -18,10 +18,12 @@ import pytest
 import scipy.stats
 from omegaconf import OmegaConf
 
-from posbench import config as schema, plots
-from posbench import report
+from posbench import compare, report
+from posbench import config as schema
+from posbench.upgrade import upgrade
 from posbench.evaluate import position_bins, windows
 from posbench.results import FORMAT, new_eval_stem, record, write_results
+from posbench.schemes import variant_label
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
 LENGTHS = [32, 64, 128]
@@ -95,7 +97,7 @@ def write_run(folder: Path, cfg: dict, results: bool = True, rows: list[dict] | 
 def write_eval(folder: Path, cfg: dict, rows: list[dict] | None = None, stem: str | None = None, **extra) -> Path:
     """A record of ``cfg`` (its ``eval`` settings) beside the run: ``eval-<protocol>-<split>-<n>.json`` by default."""
     e = cfg["eval"]
-    rec = record(cfg, rows if rows is not None else rows_for(cfg), split=e["split"], train_tokens=1280,
+    rec = record(cfg, rows if rows is not None else rows_for(cfg), variant_label(cfg["scheme"]), split=e["split"], train_tokens=1280,
                  train_seconds=2.5, device="cpu", threads=2, **extra)
     return write_results(folder, rec, stem or new_eval_stem(folder, rec["label"], e["protocol"], e["split"]))
 
@@ -262,7 +264,7 @@ def test_failed_run_is_skipped_as_failed_not_broken(sweep):
     message = "non-finite loss at step 3; the last good checkpoint is kept"
     write_results(failed, {"format": FORMAT, "status": "failed", "error": message, "step": 3,
                            "results": [], "config": config("rope", 5)})
-    records, skipped = report.collect([sweep])
+    records, skipped = compare.collect([sweep])
     assert len(records) == 6
     line = next(s for s in skipped if "9_rope_seed5" in s)
     assert "failed" in line and "broken" not in line, line
@@ -275,7 +277,7 @@ def test_failed_run_is_skipped_as_failed_not_broken(sweep):
                                      '{"format": 1, "results": [{"length": 32, "ppl": 1.0}]}'])
 def test_any_broken_results_file_is_skipped_not_a_crash(sweep, content):
     (sweep / "7_alibi_seed3" / "results.json").write_text(content)
-    records, skipped = report.collect([sweep])
+    records, skipped = compare.collect([sweep])
     assert len(records) == 6
     line = next(s for s in skipped if "7_alibi_seed3" in s)
     assert "broken" in line, line
@@ -346,10 +348,11 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
         rec = json.loads((run / "results.json").read_text())
         (run / "results.json").write_text(json.dumps({**rec, "format": 2}))
     write_run(root / "alibi", config("alibi", 0))  # format 3: no base, no max_positions
-    records, skipped = report.collect([root])
+    records, skipped = compare.collect([root])
     assert not skipped and [r["config"]["scheme"] for r in records] == [
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
-        {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None}]
+        {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None,
+         "yarn_ramp": "reference"}]
     table_text, _, _ = report.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
     md = (root / "report.md").read_text()
@@ -389,7 +392,7 @@ def test_a_duplicate_record_is_skipped_with_its_reason(tmp_path):
     run = write_run(root / "rope0", config("rope", 0))
     write_run(root / "alibi0", config("alibi", 0))
     again = write_eval(run, config("rope", 0), rows_for(config("rope", 0), lambda n: 99.0))  # the same settings again
-    records, skipped = report.collect([root])
+    records, skipped = compare.collect([root])
     assert sorted(r["path"] for r in records) == sorted([str(again), str(root / "alibi0" / "results.json")])
     assert skipped == [f"{run / 'results.json'}: duplicate of {again}"], skipped
     table_text, _, _ = report.write_report([root], root)
@@ -406,7 +409,7 @@ def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
     rec["format"] = 1
     assert "scale_embeddings" not in rec["config"]["model"]
     (old / "results.json").write_text(json.dumps(rec))
-    was = schema.upgrade(old_cfg, 1)["model"]["scale_embeddings"]  # what the schema says a format-1 run did
+    was = upgrade(old_cfg, 1)["model"]["scale_embeddings"]  # what the schema says a format-1 run did
     new_cfg = config("rope", 1)
     new_cfg["model"]["scale_embeddings"] = not was
     write_run(root / "new", new_cfg)
@@ -546,7 +549,7 @@ def test_plots_show_the_validation_split_and_the_largest_group(tmp_path, monkeyp
 
     expected = {s: (LENGTHS, [math.exp(statistics.fmean(math.log(fake_ppl(s, seed, n)) for seed in range(2))) for n in LENGTHS])
                 for s in ("alibi", "rope")}
-    series = plots.ppl_series(rows)
+    series = compare.ppl_series(rows)
     assert set(series) == set(expected)
     for s, (xs, ys) in series.items():
         assert list(xs) == LENGTHS and ys == pytest.approx(expected[s][1], rel=1e-12), s

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posbench import checkpoint, data, resume
+from posbench import build, checkpoint, data, train_job, training_state
 from posbench import train as train_mod
 
 TIMEOUT = 300  # seconds: a CLI run that takes longer is a hang
@@ -115,7 +115,7 @@ def snapshot(folder: Path) -> dict:
 def compose(cache: Path, *overrides: str):
     from hydra import compose as hydra_compose, initialize_config_module
 
-    from posbench.config import register
+    from posbench.cli import register
 
     register()
     with initialize_config_module("posbench.conf", version_base="1.3"):
@@ -218,7 +218,7 @@ def test_torn_last_metrics_row_does_not_stop_a_resume(tmp_path):
     """A crash mid-write (power loss, full disk) can leave half a row at the end of metrics.jsonl."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)) + '{"step": 11, "lo')
-    f, logged = resume.metrics_file(tmp_path, 8)
+    f, logged = training_state.metrics_file(tmp_path, 8)
     f.close()
     assert steps_of(tmp_path) == list(range(1, 9))
     assert logged == 10  # steps 9 and 10 reached wandb before the crash: not sent again
@@ -381,7 +381,7 @@ def test_resume_never_starts_over_and_its_states_outrank_the_old_ones(uninterrup
     run = tmp_path / "run"
     shutil.copytree(uninterrupted.result(), run)
     cfg = compose(cache, "train.steps=8", "train.checkpoint_every=4", "train.threads=1", "resume=never", *EVAL)
-    record = train_mod.train(cfg, run)
+    record = train_mod.train(train_job.prepare(cfg, run))
     assert record["resumed_from"] is None
     assert steps_of(run) == list(range(1, 9))
     state = checkpoint.latest_state(run)
@@ -394,7 +394,7 @@ def test_resume_never_starts_over_and_its_states_outrank_the_old_ones(uninterrup
 
 def _poison_at(monkeypatch, call: int, where: str) -> None:
     """Make the ``call``-th training forward pass give NaN logits (``loss``) or an infinite gradient."""
-    real = checkpoint.build_model
+    real = build.build_model
 
     def build_model(spec, overrides=None):
         model = real(spec, overrides)
@@ -414,7 +414,7 @@ def _poison_at(monkeypatch, call: int, where: str) -> None:
         model.register_forward_hook(hook)
         return model
 
-    monkeypatch.setattr(checkpoint, "build_model", build_model)
+    monkeypatch.setattr(build, "build_model", build_model)
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
@@ -422,7 +422,7 @@ def test_non_finite_step_fails_and_keeps_the_last_good_checkpoint(cache, tmp_pat
     cfg = compose(cache, "train.steps=8", "train.checkpoint_every=2", "train.threads=1", *EVAL)
     _poison_at(monkeypatch, 5, where)
     with pytest.raises(train_mod.TrainingFailed, match=f"non-finite {where} at step 5"):
-        train_mod.train(cfg, tmp_path)
+        train_mod.train(train_job.prepare(cfg, tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["status"] == "failed" and res["step"] == 5 and "step 5" in res["error"]
     assert valid_states(tmp_path) == [2, 4]  # keep_checkpoints=2; step 4's checksum still matches
@@ -494,7 +494,7 @@ def test_a_different_world_size_is_refused(cache, tmp_path):
     """A state trained by 2 torchrun ranks does not resume in 1 process: the global batch, its contents and the
     effective learning rate would change mid-run. Refused, naming both; the same world size resumes."""
     from posbench.config import ConfigError, finalize, to_dict
-    from posbench.resume import resume_state
+    from posbench.training_state import resume_state
 
     cfg = finalize(compose(cache))
     state = {"format": checkpoint.FORMAT, "step": 4, "model": {"w": torch.zeros(2)}, "config": to_dict(cfg), "world_size": 2}
@@ -523,10 +523,11 @@ def usr2_at_step_3(monkeypatch):
 def _train_in_process(cache, run):
     from posbench.config import finalize
     from posbench.train import train
+    from posbench.train_job import prepare
 
     cfg = finalize(compose(cache, "train.steps=8", "wandb.enabled=false", "train.threads=1"))
     run.mkdir()
-    return train(cfg, run)
+    return train(prepare(cfg, run))
 
 
 def test_sigusr2_saves_a_checkpoint_then_exits_75(cache, tmp_path, usr2_at_step_3, torch_state):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from posbench import evaluate as ev
-from posbench import train
-from posbench.checkpoint import build_model
+from posbench import train, train_job
+from posbench.build import build_model
 
 
 def test_windows_that_miss_targets_raise_a_real_error(monkeypatch):
@@ -55,7 +55,7 @@ def test_syncing_every_4_steps_logs_the_numbers_of_syncing_every_step(tmp_path, 
     are the same, bit for bit, as with a sync after every step."""
     from hydra import compose, initialize_config_module
 
-    from posbench.config import register
+    from posbench.cli import register
 
     register()
     cache = tmp_path_factory.getbasetemp() / "posbench-data"  # the session's data folder (test_resume's too)
@@ -67,7 +67,7 @@ def test_syncing_every_4_steps_logs_the_numbers_of_syncing_every_step(tmp_path, 
                                               "eval.max_tokens=64"])
         run = tmp_path / f"sync{k}"
         run.mkdir()
-        train.train(cfg, run)
+        train.train(train_job.prepare(cfg, run))
         rows[k] = [{key: v for key, v in json.loads(line).items() if key != "tokens_per_s"}
                    for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[4]] == [1, 2, 3, 4, 5, 6]

@@ -23,9 +23,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.checkpoint import build_model
-from posbench.positional import build_scheme
-from posbench.rotary import RoPE
+from posbench.build import build_model
+from posbench.schemes import build_scheme
+from posbench.schemes.rotary import RoPE
 
 DH = 16  # head width of every scheme below (d_model 32, 2 heads)
 
@@ -139,7 +139,7 @@ def yarn_frequency(i, s, L, alpha, beta, base=10000.0):
 @pytest.mark.parametrize("alpha, beta", [(1.0, 32.0), (2.0, 8.0)])
 def test_yarn_interpolates_by_parts_with_temperature(s, alpha, beta):
     L = 512  # Dh = 16, base 10^4: pairs 0 (r ≈ 81), 1…3 (r ≈ 26, 8, 2.6) and 4… (r < 1) fall in every region
-    rope = scheme(scaling="yarn", factor=s, original_length=L, beta_fast=beta, beta_slow=alpha)
+    rope = scheme(scaling="yarn", factor=s, original_length=L, beta_fast=beta, beta_slow=alpha, yarn_ramp="paper")
     regions = {(yarn_frequency(i, s, L, alpha, beta) == theta(i), yarn_frequency(i, s, L, alpha, beta) == theta(i) / s)
                for i in range(DH // 2)}
     assert regions == {(True, False), (False, True), (False, False)}  # kept, interpolated, and in the ramp
@@ -196,7 +196,7 @@ def test_original_length_resolves_to_the_train_length_when_a_method_is_chosen():
     assert resolved(scaling="linear", factor=4.0, original_length=128).original_length == 128
     fields = {f.name: f.default for f in dataclasses.fields(RoPE.Config)}
     assert fields == {"base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                      "original_length": None}
+                      "original_length": None, "yarn_ramp": "reference"}
 
 
 @pytest.mark.parametrize("options, start", [
@@ -330,3 +330,122 @@ def test_xpos_options_are_checked():
         with pytest.raises(ValueError) as err:
             config.resolve(64, 64)
         assert str(err.value).startswith(start)
+
+
+# ---- YaRN's ramp as the reference code and HF compute it (the default) ----------------------------
+
+
+def reference_yarn_frequencies(dim, s, L, beta_fast=32.0, beta_slow=1.0, base=10000.0):
+    """The inverse frequencies of the YaRN reference code (jquesnelle/yarn: ``find_correction_dim``,
+    ``find_correction_range``, ``linear_ramp_mask``; HF's ``_compute_yarn_parameters`` with truncate=True),
+    restated here in python math: the pair whose angle turns r times over L is d·ln(L/(2π·r)) / (2·ln base); the ramp
+    runs linearly in the pair index from ⌊that of β_fast⌋ (kept) to ⌈that of β_slow⌉ (interpolated by s)."""
+    def pair(rotations):
+        return dim * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i in range(dim // 2):
+        extrapolation = 1.0 / base ** (2 * i / dim)
+        interpolation = 1.0 / (s * base ** (2 * i / dim))
+        extrapolation_weight = 1 - min(1.0, max(0.0, (i - low) / (high - low)))
+        out.append(interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight)
+    return out
+
+
+@pytest.mark.parametrize("s, L", [(4.0, 128), (16.0, 128), (2.0, 512), (8.0, 64)])
+@pytest.mark.parametrize("dh", [16, 32, 64])
+def test_yarn_default_is_the_reference_codes_ramp(s, L, dh):
+    rope = build_scheme("rope", 2 * dh, 2, scaling="yarn", factor=s, original_length=L)
+    want = reference_yarn_frequencies(dh, s, L)
+    mscale = 0.1 * math.log(s) + 1
+    cos, sin = rope.rotation(torch.tensor(POSITIONS), torch.float64)
+    want_cos, want_sin = expected_tables(POSITIONS, lambda p, i: p * want[i], mscale, dh=dh)
+    assert_close(cos, want_cos, rtol=0, atol=1e-9)
+    assert_close(sin, want_sin, rtol=0, atol=1e-9)
+
+
+def test_the_reference_ramp_on_llama_2_runs_from_pair_20_to_46():
+    """Head width 128, base 10^4, L = 4096, β 32 and 1: the reference code's correction range is pairs 20 to 46
+    (the pairs turning 32 and 1 times over 4096 positions are 20.9 and 45.0), so pairs up to 20 keep θ, from 46 on
+    they are θ/s, and the ramp between is linear in the pair index."""
+    s = 8.0
+    freqs = reference_yarn_frequencies(128, s, 4096)
+    theta = [10000.0 ** (-2 * i / 128) for i in range(64)]
+    assert freqs[:21] == pytest.approx(theta[:21], rel=1e-12) and freqs[46:] == pytest.approx([t / s for t in theta[46:]], rel=1e-12)
+    assert all(theta[i] / s < freqs[i] < theta[i] for i in range(21, 46))  # inside the ramp: between the two
+    rope = build_scheme("rope", 256, 2, scaling="yarn", factor=s, original_length=4096)
+    got = rope.rotation(torch.tensor([1]), torch.float64)[0][0, :64] / (0.1 * math.log(s) + 1)  # cos(θ'_i) at p = 1
+    assert_close(got, torch.tensor([math.cos(f) for f in freqs], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_the_two_ramps_differ_inside_the_ramp_only():
+    """model=tiny's head (Dh 32), L = 128, s = 16: both ramps keep the fast pairs and interpolate the slow ones, and
+    give other frequencies in between (the reference code's ramp is not the paper's)."""
+    L, s, dh = 128, 16.0, 32
+    reference = build_scheme("rope", 2 * dh, 2, scaling="yarn", factor=s, original_length=L)
+    paper = build_scheme("rope", 2 * dh, 2, scaling="yarn", factor=s, original_length=L, yarn_ramp="paper")
+    a = reference.rotation(torch.tensor([1]), torch.float64)[1][0, dh // 2:]  # sin(θ'_i) · mscale at p = 1
+    b = paper.rotation(torch.tensor([1]), torch.float64)[1][0, dh // 2:]
+    theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
+    ms = 0.1 * math.log(s) + 1
+    kept, interpolated = (a / ms - theta.sin()).abs() < 1e-12, (a / ms - (theta / s).sin()).abs() < 1e-12
+    assert kept[0] and interpolated[-1] and not torch.equal(a, b)
+    inside = ~kept & ~interpolated
+    assert inside.any() and not torch.allclose(a[inside], b[inside], rtol=0.05)
+
+
+# ---- every rotary scheme takes every scaling ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, angle", [
+    ({"scaling": "linear", "factor": 4.0, "original_length": 64}, lambda p, i: p / 4.0 * theta(i)),
+    ({"scaling": "ntk", "factor": 4.0, "original_length": 64}, lambda p, i: p * (10000.0 * 4.0 ** (DH / (DH - 2))) ** (-2 * i / DH)),
+    ({"scaling": "yarn", "factor": 4.0, "original_length": 64}, None),
+])
+def test_xpos_takes_the_scalings_of_rope(options, angle):
+    """xPos with a scaling: the scaled angle of RoPE's method on each pair, times xPos's decay, times YaRN's
+    √(1/t) on the tables where it applies; computed per position and pair in python math."""
+    if angle is None:
+        freqs = reference_yarn_frequencies(DH, 4.0, 64)
+        angle = lambda p, i: p * freqs[i]  # noqa: E731
+    mscale = 0.1 * math.log(4.0) + 1 if options["scaling"] == "yarn" else 1.0
+    xpos = build_scheme("xpos", 2 * DH, 2, **options)
+    pos = torch.arange(40)
+    torch.manual_seed(7)
+    q, k = torch.randn(1, 2, 40, DH, dtype=torch.float64), torch.randn(1, 2, 40, DH, dtype=torch.float64)
+    qr, kr = xpos.rotate(q, k, xpos.rotation(pos, torch.float64))
+    half, centre = DH // 2, 39 / 2
+    for t in (0, 5, 39):
+        for i in range(half):
+            zeta = (i / half + 0.4) / 1.4
+            for out, x, sign in ((qr, q, 1), (kr, k, -1)):
+                scale = mscale * zeta ** (sign * (t - centre) / 512.0)
+                a = angle(t, i)
+                x1, x2 = x[0, 0, t, i].item(), x[0, 0, t, i + half].item()
+                assert out[0, 0, t, i].item() == pytest.approx(scale * (x1 * math.cos(a) - x2 * math.sin(a)), rel=1e-9, abs=1e-12)
+                assert out[0, 0, t, i + half].item() == pytest.approx(scale * (x2 * math.cos(a) + x1 * math.sin(a)), rel=1e-9, abs=1e-12)
+
+
+def test_xpos_without_a_scaling_is_xpos_before_scalings_existed():
+    """An xPos checkpoint of before (its spec has base, gamma, scale_base only) builds the model it trained."""
+    xpos = build_scheme("xpos", 2 * DH, 2)
+    pos = torch.arange(3, 50)
+    p = pos.to(torch.float64)
+    exponent = torch.arange(0, DH, 2, dtype=torch.float64) / DH
+    angles = p[:, None] * 10000.0 ** (-exponent)  # posbench/rotary.py at d1a89df, written out
+    centre = (p.min() + p.max()) / 2
+    scale = ((exponent + 0.4) / 1.4) ** ((p - centre)[:, None] / 512.0)
+    sin = angles.sin()
+    cos, sin, scale = (torch.cat(t, dim=-1) for t in ((angles.cos(), angles.cos()), (-sin, sin), (scale, scale)))
+    old = tuple(t.to(torch.float32) for t in (cos * scale, sin * scale, cos / scale, sin / scale))
+    assert all(torch.equal(a, b) for a, b in zip(xpos.rotation(pos, torch.float32), old))
+
+
+def test_labels_name_the_ramp_and_every_rotary_scheme_s_scaling():
+    from posbench.schemes import variant_label
+
+    assert variant_label({"name": "rope", "scaling": "yarn", "factor": 4.0, "yarn_ramp": "paper"}) == "rope+yarn_paper×4"
+    assert variant_label({"name": "xpos", "scaling": "ntk", "factor": 2.0}) == "xpos+ntk×2"

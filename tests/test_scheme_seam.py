@@ -17,10 +17,12 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from posbench import checkpoint, cli, config
-from posbench.config import ConfigError, finalize, to_dict, upgrade
+from posbench import build, checkpoint, cli, config
+from posbench.config import ConfigError, finalize, to_dict
 from posbench.evaluate import evaluate
-from posbench.positional import SCHEMES, Learned, PositionalScheme, build_scheme
+from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
+from posbench.schemes.absolute import Learned
+from posbench.upgrade import upgrade
 
 VOCAB, H, D, T = 53, 2, 16, 24
 
@@ -47,10 +49,10 @@ class Toy(PositionalScheme):
 @pytest.fixture
 def toy(monkeypatch):
     monkeypatch.setitem(SCHEMES, "toy", Toy)
-    config.register()  # the scheme group now has a toy option
+    cli.register()  # the scheme group now has a toy option
     yield
     monkeypatch.undo()
-    config.register()  # and no longer
+    cli.register()  # and no longer
 
 
 def toy_spec(gamma: float) -> dict:
@@ -90,7 +92,7 @@ def reference_attention(attn, x, gamma: float) -> torch.Tensor:
 
 def test_build_model_gives_the_toy_its_option(toy):
     torch.manual_seed(0)
-    model = checkpoint.build_model(toy_spec(0.25)).eval()
+    model = build.build_model(toy_spec(0.25)).eval()
     assert isinstance(model.scheme, Toy) and model.scheme.config.gamma == 0.25
     for p in model.blocks[0].attn.parameters():  # sharper attention than GPT's init: a stronger test
         torch.nn.init.normal_(p, std=0.3)
@@ -119,7 +121,7 @@ def test_hydra_composes_the_toy_with_its_option(toy):
     (["scheme=toy", "scheme.gamma=2"], "scheme.gamma=2.0: the toy bias needs 0 < gamma <= 1"),
     (["scheme=toy", "scheme.gama=0.25"], "scheme.gama is not an option of the toy scheme; its options: gamma"),
     (["scheme=rope", "scheme.gamma=0.25"], "scheme.gamma is not an option of the rope scheme; its options: base, scaling, factor, beta_fast, "
-     "beta_slow, original_length"),
+     "beta_slow, original_length, yarn_ramp"),
 ])
 def test_the_cli_refuses_a_bad_or_misspelt_option_in_one_line(toy, capsys, overrides, message):
     with pytest.raises(SystemExit) as info:
@@ -131,20 +133,20 @@ def test_the_cli_refuses_a_bad_or_misspelt_option_in_one_line(toy, capsys, overr
 def test_a_toy_checkpoint_rebuilds_the_same_model(toy, tmp_path):
     with initialize_config_module(cli.CONFIG_MODULE, version_base="1.3"):
         cfg = to_dict(finalize(compose("train", overrides=["scheme=toy", "scheme.gamma=0.25", "model.n_layer=1"])))
-    spec = checkpoint.model_spec(cfg, VOCAB)
+    spec = build.model_spec(cfg, VOCAB)
     assert spec["scheme"] == {"name": "toy", "gamma": 0.25}
     torch.manual_seed(0)
-    model = checkpoint.build_model(spec).eval()
-    checkpoint.save(tmp_path / "checkpoint.pt", model, cfg, VOCAB, {}, step=1)
+    model = build.build_model(spec).eval()
+    checkpoint.save(tmp_path / "checkpoint.pt", model, spec, cfg, {}, step=1)
     state = checkpoint.read(tmp_path / "checkpoint.pt")
     assert state["format"] == 3 and state["spec"] == spec and state["config"]["scheme"] == {"name": "toy", "gamma": 0.25}
     idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model(idx)
-        for rebuilt in (checkpoint.model_from(state), checkpoint.model_from({**state, "spec": None})):
+        for rebuilt in (build.model_from(state), build.model_from({**state, "spec": None})):
             assert rebuilt.scheme.config.gamma == 0.25
             assert torch.equal(rebuilt(idx), expected)
-        other = checkpoint.build_model(spec, {"scheme": {"gamma": 1.0}}).eval()
+        other = build.build_model(spec, {"scheme": {"gamma": 1.0}}).eval()
         other.load_state_dict(state["model"])
         assert not torch.allclose(other(idx), expected), "gamma does not reach the rebuilt model"
 
@@ -155,19 +157,19 @@ def test_a_toy_checkpoint_rebuilds_the_same_model(toy, tmp_path):
 def test_an_old_scheme_section_keeps_the_scheme_s_own_keys():
     old = {"name": "rope", "base": 10000.0, "max_positions": None}  # formats 1 and 2 recorded both for every scheme
     for fmt in (1, 2):
-        assert upgrade({"scheme": old}, fmt)["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None}
+        assert upgrade({"scheme": old}, fmt)["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None, "yarn_ramp": "reference"}
     assert upgrade({"scheme": {"name": "learned", "base": 10000.0, "max_positions": 96}}, 2)["scheme"] == {
         "name": "learned", "max_positions": 96}
     assert upgrade({"scheme": {"name": "alibi", "base": 500.0}}, 2)["scheme"] == {"name": "alibi"}
     assert upgrade({"scheme": {"name": "sinusoidal"}}, 3)["scheme"] == {"name": "sinusoidal", "base": 10000.0}
-    assert upgrade({}, 3)["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None}  # a missing key reads as its default
+    assert upgrade({}, 3)["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None, "yarn_ramp": "reference"}  # a missing key reads as its default
     with pytest.raises(ConfigError, match="max_positions"):
         upgrade({"scheme": old}, 3)  # format 3 records a scheme's own keys only
     with pytest.raises(ConfigError, match="noscheme"):
         upgrade({"scheme": {"name": "noscheme"}}, 3)
 
 
-DEFAULTS = {"rope": {"scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None}}  # a scheme's options that old formats never recorded
+DEFAULTS = {"rope": {"scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None, "yarn_ramp": "reference"}}  # a scheme's options that old formats never recorded
 OWN = {"rope": {"base": 500.0}, "sinusoidal": {"base": 500.0}, "learned": {"max_positions": 40}, "alibi": {}}
 
 
@@ -177,7 +179,7 @@ def old_state(name: str, fmt: int, tmp_path) -> tuple[dict, torch.nn.Module]:
     model_cfg = {"name": "t", "n_layer": 1, "n_head": H, "d_model": D, "d_ff": 2 * D, "dropout": 0.0}
     scale = name == "sinusoidal" if fmt == 1 else True  # format 1 scaled embeddings for sinusoidal only
     torch.manual_seed(0)
-    model = checkpoint.build_model({"vocab_size": VOCAB, "model": {**model_cfg, "scale_embeddings": scale},
+    model = build.build_model({"vocab_size": VOCAB, "model": {**model_cfg, "scale_embeddings": scale},
                                     "scheme": {"name": name, **OWN[name]}}).eval()
     recorded = {"scheme": {"name": name, "base": 10000.0, "max_positions": None, **OWN[name]},
                 "model": model_cfg if fmt == 1 else {**model_cfg, "scale_embeddings": scale}, "train": {"seq_len": 8}}
@@ -191,7 +193,7 @@ def old_state(name: str, fmt: int, tmp_path) -> tuple[dict, torch.nn.Module]:
 @pytest.mark.parametrize("name", ["rope", "learned", "sinusoidal", "alibi"])
 def test_an_old_checkpoint_loads_and_scores_the_same(name, fmt, tmp_path):
     state, model = old_state(name, fmt, tmp_path)
-    rebuilt = checkpoint.model_from(state)
+    rebuilt = build.model_from(state)
     tokens = np.random.default_rng(0).integers(0, VOCAB, 200).astype(np.uint16)
     expected = evaluate(model, tokens, [8, 16], "nonoverlapping")
     got = evaluate(rebuilt, tokens, [8, 16], "nonoverlapping")
@@ -206,23 +208,23 @@ def test_an_old_checkpoint_loads_and_scores_the_same(name, fmt, tmp_path):
 
 def test_model_spec_is_exact_and_resolved():
     cfg = {"scheme": {"name": "learned"}, "model": {"name": "tiny", "n_layer": 2}, "train": {"seq_len": 20}}
-    assert checkpoint.model_spec(cfg, VOCAB) == {
+    assert build.model_spec(cfg, VOCAB) == {
         "vocab_size": VOCAB, "scheme": {"name": "learned", "max_positions": 320},  # 16·L
         "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "scale_embeddings": True}}
 
 
 def test_build_model_overrides_and_defaults():
     spec = {"vocab_size": VOCAB, "model": {"n_layer": 3, "n_head": H, "d_model": D}, "scheme": {"name": "rope", "base": 500.0}}
-    rope = checkpoint.build_model(spec)
+    rope = build.build_model(spec)
     assert len(rope.blocks) == 3 and rope.blocks[0].mlp[0].out_features == 512  # d_ff: ModelConfig's default
     assert_close(rope.scheme.inv_freq, 500.0 ** (-torch.arange(0, D // H, 2, dtype=torch.float64) / (D // H)))
-    alibi = checkpoint.build_model(spec, {"scheme": {"name": "alibi"}, "model": {"n_layer": 2}})  # base dropped
+    alibi = build.build_model(spec, {"scheme": {"name": "alibi"}, "model": {"n_layer": 2}})  # base dropped
     assert type(alibi.scheme).__name__ == "ALiBi" and len(alibi.blocks) == 2
-    assert checkpoint.build_model(spec, {"scheme": {"base": 20.0}}).scheme.config.base == 20.0
+    assert build.build_model(spec, {"scheme": {"base": 20.0}}).scheme.config.base == 20.0
     with pytest.raises(ValueError, match="max_positions"):
-        checkpoint.build_model(spec, {"scheme": {"max_positions": 64}})  # not a rope option
+        build.build_model(spec, {"scheme": {"max_positions": 64}})  # not a rope option
     with pytest.raises(ValueError, match="n_layers"):
-        checkpoint.build_model(spec, {"model": {"n_layers": 2}})
+        build.build_model(spec, {"model": {"n_layers": 2}})
 
 
 def test_build_scheme_refuses_an_option_the_scheme_lacks():

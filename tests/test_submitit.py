@@ -120,7 +120,7 @@ def _env() -> dict:
 def _compose(cache: Path):
     from hydra import compose, initialize_config_module
 
-    from posbench.config import register
+    from posbench.cli import register
 
     register()
     with initialize_config_module("posbench.conf", version_base="1.3"):

@@ -1,104 +1,25 @@
-"""Relative attention biases learned per head as functions of the distance i − j alone: T5's bucketed table and
-KERPLE's kernels, registered as ``t5``, ``kerple_log`` and ``kerple_power`` in ``posbench.positional.SCHEMES``.
-Importing ``posbench`` imports this module, which adds its schemes to the registry.
+"""KERPLE (Chi et al. 2022): biases from conditionally positive definite kernels of the distance |i − j|, two learned
+scalars per head; registered as ``kerple_log`` (−r₁·log(1 + r₂·|i − j|)) and ``kerple_power`` (−r₁·|i − j|^r₂).
 
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
-each scheme adds a bias b(h, i, j) to the attention score in ``score_mod``:
+``score_mod`` adds the kernel's bias. Not key-only: on CPU it trains through the dense kernel and evaluates through
+FlexAttention; on CUDA it runs FlexAttention. Learned parameters are initialised here (the model does not
+re-initialise ``scheme.*``).
 
-* ``t5``           (Raffel et al. 2020, §2.1)   a learned scalar per head and log-bucketed distance i − j
-* ``kerple_log``   (Chi et al. 2022, §4)        −r₁·log(1 + r₂·|i − j|), r₁, r₂ > 0 learned per head
-* ``kerple_power`` (Chi et al. 2022, §4)        −r₁·|i − j|^r₂, r₁ > 0, 0 < r₂ ≤ 2 learned per head
-
-None of these biases is key-only (``key_only_bias = False``): on CPU they train through the dense kernel and
-evaluate through FlexAttention (or the dense kernel where Flex does not compile); on CUDA they run
-FlexAttention. Every ``score_mod`` here is pointwise (broadcasting and indexing of small parameter tables only),
-so FlexAttention's 0-d calls and the dense kernel's broadcast calls take the same code. Learned parameters are
-initialised here (the model does not re-initialise ``scheme.*``). The other relative biases, Sandwich and FIRE,
-are in posbench/sandwich_fire.py.
-
-    from posbench.positional import build_scheme
-    t5 = build_scheme("t5", d_model=128, n_head=4, num_buckets=32, max_distance=128)
+    from posbench.schemes import build_scheme
     kerple = build_scheme("kerple_log", d_model=128, n_head=4)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.positional import SCHEMES, PositionalScheme, is_int, is_number
-
-
-# ---- T5 ------------------------------------------------------------------------------------------------
-
-
-def t5_bucket(n: int, num_buckets: int, max_distance: int) -> int:
-    """The unidirectional bucket of a distance n = i − j (negative n counts as 0), as in the T5 code
-    (mesh-tensorflow's and Hugging Face's ``_relative_position_bucket`` with ``bidirectional=False``):
-    exact buckets 0 … B/2 − 1 for n < B/2, then B/2 + ⌊log(n / (B/2)) / log(max_distance / (B/2)) · (B − B/2)⌋,
-    capped at B − 1 (every n ≥ max_distance shares the last bucket). Computed in float64 (``math.log``)."""
-    n = max(n, 0)
-    exact = num_buckets // 2
-    if n < exact:
-        return n
-    large = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
-    return min(large, num_buckets - 1)
-
-
-class T5Bias(PositionalScheme):
-    """T5 relative position bias, Raffel et al. 2020 ("Exploring the Limits of Transfer Learning with a Unified
-    Text-to-Text Transformer"), §2.1: score(i, j) += w[bucket(i − j), h], one learned scalar per head and bucket.
-
-    Buckets (the T5 code's causal, unidirectional bucketing; :func:`t5_bucket`): distances 0 … B/2 − 1 get a
-    bucket each, larger distances share B/2 logarithmically wider buckets up to ``max_distance``, beyond which
-    every distance falls in the last bucket (so the bias is constant past ``max_distance``). One table
-    w: (num_buckets, H), shared by all layers (the scheme object is). A distance's bucket is looked up in a
-    table of max_distance + 1 entries computed once in float64, so every kernel uses the same integer buckets.
-    Translation-invariant: the bias depends on i − j only.
-
-    Initialisation: w ~ N(0, d_model^(−1/2)), Hugging Face's T5 initialisation of ``relative_attention_bias``
-    (``T5PreTrainedModel._init_weights``, factor 1).
-    """
-
-    has_bias = True
-    # Not decayed: the table is B·H scalars that *are* the positional prior (like ALiBi's slopes, not a weight
-    # matrix); decay would pull every distance towards a flat bias. T5 itself trained with AdaFactor, no decay.
-    weight_decay = False
-
-    @dataclasses.dataclass
-    class Config(PositionalScheme.Config):
-        """num_buckets: B, buckets of distance (T5: 32); an int >= 2.
-        max_distance: the distance from which all share the last bucket (T5: 128); an int > num_buckets // 2."""
-
-        num_buckets: int = 32
-        max_distance: int = 128
-
-        def resolve(self, seq_len: int, longest: int) -> None:
-            if not is_int(self.num_buckets) or self.num_buckets < 2:
-                raise ValueError(f"num_buckets={self.num_buckets!r}: T5 needs an integer number of buckets >= 2")
-            if not is_int(self.max_distance) or self.max_distance <= self.num_buckets // 2:
-                raise ValueError(f"max_distance={self.max_distance!r}: must be an integer > num_buckets // 2 = "
-                                 f"{self.num_buckets // 2} (the distances with a bucket of their own)")
-
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
-        self.config.resolve(0, 0)  # no derived defaults: checks only, so a bad value fails here too
-        B, M = self.config.num_buckets, self.config.max_distance
-        self.weight = nn.Parameter(torch.randn(B, n_head) * d_model ** -0.5)  # (B, H)
-        buckets = torch.tensor([t5_bucket(n, B, M) for n in range(M + 1)])  # (M + 1,) int64: bucket of distance n
-        self.register_buffer("buckets", buckets, persistent=False)
-
-    def score_mod(self, score, h, q_pos, k_pos):
-        n = (q_pos - k_pos).clamp(0, self.config.max_distance)  # distance i − j, future keys as 0; (…) int
-        return score + self.weight[self.buckets[n], h]  # (H, Tq, Tk) dense; 0-d under Flex
-
-
-# ---- KERPLE --------------------------------------------------------------------------------------------
+from posbench.schemes.base import PositionalScheme, is_number, register
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -138,7 +59,7 @@ class _Kerple(PositionalScheme):
         r1_max: Optional[float] = None
         r2_max: Optional[float] = None
 
-        def resolve(self, seq_len: int, longest: int) -> None:
+        def check(self, longest: int | None = None) -> None:
             for name in ("r1_max", "r2_max"):
                 value = getattr(self, name)
                 if value is not None and (not is_number(value) or not value > _Kerple.FLOOR):
@@ -146,7 +67,6 @@ class _Kerple(PositionalScheme):
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
-        self.config.resolve(0, 0)  # checks only: a bad value fails here too
         r1_max = self.R1_MAX if self.config.r1_max is None else self.config.r1_max
         r2_max = self.R2_MAX if self.config.r2_max is None else self.config.r2_max
         r1 = (torch.rand(n_head, dtype=torch.float64) * r1_max).clamp(min=self.FLOOR)  # (H,)
@@ -166,6 +86,7 @@ class _Kerple(PositionalScheme):
         return F.softplus(self.theta2)
 
 
+@register("kerple_log")
 class KerpleLog(_Kerple):
     """KERPLE's logarithmic variant, Chi et al. 2022, §4 (the log kernel): score(i, j) += −r₁·log(1 + r₂·|i − j|).
 
@@ -182,6 +103,7 @@ class KerpleLog(_Kerple):
         return score - r1 * torch.log1p(r2 * d)  # (H, Tq, Tk)
 
 
+@register("kerple_power")
 class KerplePower(_Kerple):
     """KERPLE's power variant, Chi et al. 2022, §4 (the power kernel): score(i, j) += −r₁·|i − j|^r₂, r₁ > 0,
     0 < r₂ ≤ 2 (the range for which the kernel is conditionally positive definite).
@@ -197,8 +119,8 @@ class KerplePower(_Kerple):
         """r1_max, r2_max: r₁ and r₂ start uniform in (0, r_max) (then at least 0.01); numbers > 0.01, r2_max <= 2
         (the power kernel needs r₂ <= 2). None: the reference code's ranges (r₁ < 1, r₂ < 2)."""
 
-        def resolve(self, seq_len: int, longest: int) -> None:
-            super().resolve(seq_len, longest)
+        def check(self, longest: int | None = None) -> None:
+            super().check(longest)
             if self.r2_max is not None and self.r2_max > 2:
                 raise ValueError(f"r2_max={self.r2_max!r}: the power kernel needs r2 <= 2")
 
@@ -214,10 +136,3 @@ class KerplePower(_Kerple):
         r1 = F.softplus(self.theta1[h])  # (H, 1, 1) dense; 0-d under Flex
         r2 = 2 * torch.sigmoid(self.theta2[h])
         return score - r1 * d.pow(r2)  # (H, Tq, Tk); 0^r₂ = 0 on the diagonal (torch's d/dr₂ there is 0)
-
-
-SCHEMES.update({
-    "t5": T5Bias,
-    "kerple_log": KerpleLog,
-    "kerple_power": KerplePower,
-})

@@ -1,0 +1,102 @@
+"""One builder for every model: a model spec → the GPT it describes (docs/design.md §2).
+
+A model spec is a plain dict, ``{"vocab_size": int, "model": {...}, "scheme": {"name": ..., **options}}``: everything
+:func:`build_model` needs, nothing else. A run's job makes it once from the run's finished config (:func:`spec`);
+checkpoints record it, and ``posbench eval`` rebuilds the trained model from it, with overrides (a RoPE scaling).
+
+    model = build_model(spec)                                             # as trained
+    scaled = build_model(spec, {"scheme": {"scaling": "yarn", "factor": 4.0, "original_length": 128}})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from posbench.config import DEFAULT_SCHEME, ModelConfig
+from posbench.model import GPT
+from posbench.schemes import SCHEMES
+from posbench.upgrade import upgrade
+
+MODEL_KEYS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "name"]  # what a spec's "model" holds
+
+
+def spec(config: dict, vocab_size: int) -> dict:
+    """The spec of a run's finished config (``posbench.config.finalize``'s, as a plain dict): its model keys but
+    ``name`` (a preset's label, not part of the model) and its scheme section, whose options are resolved."""
+    return {"vocab_size": vocab_size, "model": {k: config["model"][k] for k in MODEL_KEYS},
+            "scheme": dict(config["scheme"])}
+
+
+def model_spec(config: dict, vocab_size: int) -> dict:
+    """The exact spec of the model a recorded config describes (a checkpoint's from before specs were recorded, or
+    a partial config): every key it lacks at its default (``posbench.upgrade.upgrade``), the scheme's derived
+    defaults filled from the config's train length (``Config.fill``: an unset learned ``max_positions`` → 16·L).
+
+    Raises ConfigError (a ValueError) when ``config`` does not fit the schema."""
+    config = upgrade(config)
+    options = {k: v for k, v in config["scheme"].items() if k != "name"}
+    scheme = SCHEMES[config["scheme"]["name"]].make_config(**options)
+    scheme.fill(config["train"]["seq_len"])
+    return spec({**config, "scheme": {"name": config["scheme"]["name"], **dataclasses.asdict(scheme)}}, vocab_size)
+
+
+def merged(spec: dict, overrides: dict) -> dict:
+    """``overrides`` merged over ``spec`` key by key (nested dicts recursively); a new ``scheme.name`` drops the
+    old scheme's options."""
+    out = dict(spec)
+    for key, value in overrides.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            if key == "scheme" and value.get("name", old.get("name")) != old.get("name", DEFAULT_SCHEME):
+                old = {}
+            value = merged(old, value)
+        out[key] = value
+    return out
+
+
+def build_model(spec: dict, overrides: dict | None = None) -> GPT:
+    """The GPT a model spec describes, with ``overrides`` (a nested dict, e.g. ``{"scheme": {"name": "alibi"},
+    "model": {"n_layer": 2}}``) merged over it (:func:`merged`). Keys the spec lacks read as today's defaults:
+    ``ModelConfig``'s, ``scheme.name`` :data:`~posbench.config.DEFAULT_SCHEME`, the scheme's ``Config`` defaults
+    (neither filled nor checked: give resolved values, e.g. the learned scheme's ``max_positions``).
+    ``model.name`` is ignored.
+
+    The scheme's parameters are drawn from their own random stream, seeded by one number taken from torch's
+    global generator, so that every other parameter is bit-identical whichever scheme (and whatever table
+    size) is built after the same ``torch.manual_seed``: a comparison differs in positions only.
+
+    Raises:
+        KeyError: the spec has no ``vocab_size``.
+        ValueError: a ``model`` key ModelConfig lacks, an unknown scheme or scheme option, or a value the
+            scheme's constructor or the model refuses.
+    """
+    spec = merged(spec, overrides or {})
+    m = {**dataclasses.asdict(ModelConfig()), **spec.get("model", {})}
+    m.pop("name")
+    unknown = sorted(set(m) - set(MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]} is not a model option; the options: {', '.join(MODEL_KEYS)}")
+    options = dict(spec.get("scheme") or {})
+    name = options.pop("name", DEFAULT_SCHEME)
+    if name not in SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    config = SCHEMES[name].make_config(**options)
+    scheme_seed = int(torch.randint(2**62, ()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(scheme_seed)
+        scheme = SCHEMES[name](m["d_model"], m["n_head"], config)
+    return GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
+               scale_embeddings=m["scale_embeddings"])
+
+
+def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:
+    """The trained model a checkpoint dict (``posbench.checkpoint.read``) describes, on ``device``, in eval mode:
+    built from its ``spec`` (or, for a checkpoint from before specs were recorded, the :func:`model_spec` of its
+    config), with ``overrides`` merged over it as :func:`build_model` does.
+
+    Raises RuntimeError when the weights do not fit the model (``load_state_dict``)."""
+    model = build_model(state.get("spec") or model_spec(state["config"], state["vocab_size"]), overrides).to(device)
+    model.load_state_dict(state["model"])
+    return model.eval()

@@ -1,0 +1,168 @@
+"""The positional-scheme interface, its typed ``Config``, and how a scheme registers itself.
+
+Every scheme is a :class:`PositionalScheme` that overrides one kind of hook (docs/design.md §3):
+
+* ``embed(x, pos)``                      additive absolute positions (sinusoidal, learned)
+* ``rotation(pos, dtype)`` and
+  ``rotate(q, k, rotation)``             rotary positions applied to queries and keys (RoPE, xPos): the tables are
+                                         computed once per forward pass, then applied in every layer
+* ``score_mod(score, h, q_pos, k_pos)``  an additive attention bias (ALiBi, T5, KERPLE, Sandwich, FIRE), with
+                                         ``has_bias = True``
+
+Positions are explicit absolute token indices, so an evaluator may shift or scale them. The model never probes a
+hook to learn what a scheme does: the class attributes ``has_bias`` and ``key_only_bias`` say it, and
+posbench/attention.py picks the attention kernel from them. A scheme's hyperparameters are a nested dataclass
+``Config``: ``resolve(seq_len, longest)`` fills its derived defaults (``fill``) and checks its values
+(``check``), once, where the run's config is made; the scheme's constructor takes the config as it is given.
+
+A family file in posbench/schemes/ registers each of its schemes with ``@register("name")``; the package
+collects them into ``posbench.schemes.SCHEMES``. This module imports nothing of posbench.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+REGISTERED: dict[str, type] = {}  # name → scheme class, as the family modules register them (any order)
+
+
+def register(name: str):
+    """Class decorator: register a scheme class under ``name`` (``scheme=<name>`` on the command line).
+
+    Raises ValueError when another class already has that name."""
+
+    def add(cls: type) -> type:
+        if REGISTERED.setdefault(name, cls) is not cls:
+            raise ValueError(f"two schemes are registered as {name!r}: {REGISTERED[name].__name__} and {cls.__name__}")
+        return cls
+
+    return add
+
+
+@register("nope")
+class PositionalScheme(nn.Module):
+    """No positional information (NoPE): the causal mask is the only source of order. Every hook is the
+    identity. The base of every scheme.
+
+    All schemes share one constructor signature, ``(d_model, n_head, config=None)``, so the registry can
+    build any of them; ``config`` is an instance of the scheme's own ``Config`` (None: its defaults), kept as
+    ``self.config`` and trusted as given: it is checked where it is made (``Config.resolve`` or ``check``).
+
+    Class attributes (what the attention kernel is chosen from; posbench/attention.py):
+        has_bias: ``score_mod`` adds a bias to the attention scores. False: causal attention is all there
+            is, and the fastest causal kernel runs.
+        key_only_bias: the bias has the form b(h, i, j) = g(h, j) − g(h, i) for every query position i and key
+            position j (any bias linear in i − j, such as ALiBi's, has it). Then, for a reference position c,
+            b(h, i, j) = b(h, c, j) + (a term that depends on i alone), and softmax ignores a term constant
+            across a query's row, so the key-only bias ``score_mod(0, h, c, k_pos)`` gives the same
+            attention; the kernel may fold it into one extra head dimension of q and k.
+        weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
+
+    Args:
+        d_model: model width D.
+        n_head: attention heads H; the head width is D / H.
+        config: the scheme's hyperparameters, a ``self.Config``; None gives the defaults.
+    """
+
+    has_bias: bool = False
+    key_only_bias: bool = False
+    weight_decay: bool = False
+
+    @dataclasses.dataclass
+    class Config:
+        """The scheme's hyperparameters: none. A scheme with options declares its own ``@dataclass class
+        Config(PositionalScheme.Config)`` with typed fields (their types are the configuration's types),
+        defaults and a docstring, overriding :meth:`fill` for derived defaults and :meth:`check` for values."""
+
+        def resolve(self, seq_len: int, longest: int) -> None:
+            """Fill derived defaults in place from the train length ``seq_len`` (L) and check every value against
+            ``longest``, the longest length the model will see (L or the longest evaluation length).
+
+            Raises ValueError whose message starts with ``<field>=<value>`` and says what is allowed."""
+            self.fill(seq_len)
+            self.check(longest)
+
+        def fill(self, seq_len: int) -> None:
+            """Set the options left None that default to something derived from the train length L: none here."""
+
+        def check(self, longest: int | None = None) -> None:
+            """Raise ValueError (``<field>=<value>: what is allowed``) for a bad value; with ``longest``, also for
+            values that cannot serve a window of that many positions. An option still None (to be filled from L)
+            passes. Nothing to check here."""
+
+        def label(self) -> str:
+            """What the scheme's name alone does not say about this variant, appended to it in every label
+            (results, eval file names, wandb, report rows, plots): "" here; RoPE's ``+yarn×16``."""
+            return ""
+
+    def __init__(self, d_model: int, n_head: int, config: Config | None = None):
+        super().__init__()
+        self.d_model, self.n_head = d_model, n_head
+        self.config = self.Config() if config is None else config
+
+    @classmethod
+    def options(cls) -> list[str]:
+        """The names of the scheme's options: the fields of its ``Config``, in order."""
+        return [f.name for f in dataclasses.fields(cls.Config)]
+
+    @classmethod
+    def make_config(cls, **options) -> Config:
+        """``cls.Config(**options)``, neither filled nor checked. Raises ValueError for an option the Config lacks,
+        starting ``<option>=<value>`` and listing the scheme's options."""
+        allowed = cls.options()
+        for key, value in options.items():
+            if key not in allowed:
+                raise ValueError(f"{key}={value!r}: the {cls.__name__} scheme has no option {key!r}; its options: "
+                                 f"{', '.join(allowed) or 'none'}")
+        return cls.Config(**options)
+
+    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, D) token embeddings, pos: (T,) int64 → (B, T, D)."""
+        return x
+
+    def rotation(self, pos: torch.Tensor, dtype: torch.dtype) -> object:
+        """pos: (T,) int64 → whatever :meth:`rotate` needs for these positions (RoPE: cos and sin tables),
+        computed once per forward pass and shared by every layer; None for a scheme that does not rotate.
+        ``dtype`` is the activations' dtype (float32, or float64 in a reference computation)."""
+        return None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rotation: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, T, Dh), rotation: what :meth:`rotation` returned for their positions → rotated
+        (q, k) of the same shapes."""
+        return q, k
+
+    def score_mod(self, score: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """The attention score of query position ``q_pos`` and key position ``k_pos`` in head ``h``, given the
+        score q·k/√Dh before positions: score + bias(h, q_pos, k_pos). Identity here.
+
+        One pointwise description serves every kernel: FlexAttention calls it with 0-d tensors (int32 indices,
+        the score in the kernel's dtype); the dense kernel with broadcastable tensors, e.g. score a 0-d zero,
+        h (H, 1, 1), q_pos (1, Tq, 1) and k_pos (1, 1, Tk) int64, to build a bias block (H, Tq, Tk). It must
+        therefore be additive in ``score`` (the dense kernel evaluates it at score 0 and adds the result) and use
+        only broadcasting tensor operations. The causal mask is the attention's, so the bias need not mask.
+        A scheme that overrides it sets ``has_bias = True``. Learned parameters used here get gradients.
+        """
+        return score
+
+
+# ---- checks of an option's value, shared by the Configs ----------------------------------------------------
+
+
+def is_int(value) -> bool:
+    """``value`` is an int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """``value`` is a finite int or float and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_base(base) -> None:
+    """Raise ValueError (``base=<value>: ...``) unless ``base``, a wavelength base, is a number > 0."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+        raise ValueError(f"base={base!r}: the wavelength base must be a number > 0")

@@ -1,0 +1,99 @@
+"""FIRE (Li et al. 2024): a learned MLP of the log-distance over the log query position, "functional interpolation
+for relative positions"; registered as ``fire``.
+
+With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
+``score_mod`` adds the MLP's output for head h. The hidden layer is unrolled in Python (a sum of ``mlp_width``
+pointwise terms), so FlexAttention's 0-d calls and the dense kernel's broadcast calls take the same code. The bias
+depends on i, not only on i − j. Its parameters are initialised here (the model does not re-initialise
+``scheme.*``).
+
+    from posbench.schemes import build_scheme
+    fire = build_scheme("fire", d_model=128, n_head=4, threshold=128)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from posbench.schemes.base import PositionalScheme, is_int, is_number, register
+
+REFERENCE_INIT_L = 512  # the paper code's FIRE(..., init_L=512.0): L₀ of a Config built without the train length
+
+
+@register("fire")
+class Fire(PositionalScheme):
+    """FIRE, Li et al. 2024 ("Functional Interpolation for Relative Positions Improves Long Context
+    Transformers", ICLR; arXiv:2310.04418), §3: the final bias, progressive interpolation with the log
+    transform ψ and the learned threshold L_thr:
+
+        b(i, j) = f_θ(ψ(i − j) / ψ(max(L_thr, i))),   ψ(x) = log(c·x + 1),
+
+    f_θ: an MLP 1 → ``mlp_width`` (ReLU) → H, one output per head; c and the threshold L_thr learned. As the
+    paper's code (its appendix): ψ takes |c·x| (so any c works), the normaliser gets + 1e-6, and L_thr is
+    |m·L₀| with a learned multiplier m (init 1) and L₀ fixed — here the ``threshold`` option, which resolves to
+    the train length L, the paper's initialisation (a Config never filled with L, e.g. ``build_scheme("fire", D, H)``,
+    gets :data:`REFERENCE_INIT_L` = 512, the default ``init_L`` of the paper's code; ``posbench train`` always fills
+    it, so a checkpoint records the value it trained with). c starts at ``init_c`` (0.1, the paper's); the MLP has
+    PyTorch's default Linear initialisation, as the paper's code. i is the query's position as the model
+    gives it (0 … T−1 from the window start by default), so the bias depends on i as well as on i − j: FIRE is
+    not translation-invariant. The hidden layer is unrolled in ``score_mod`` (a sum of ``mlp_width`` pointwise
+    terms), so FlexAttention's 0-d calls and the dense kernel run the same code. One FIRE serves every
+    layer, as one instance of any scheme does in posbench's model (KERPLE's and T5's reference code share
+    theirs across layers too); the paper's code gives each attention layer its own.
+    """
+
+    has_bias = True
+    # Not decayed: the scheme's parameters are c, the threshold multiplier and a 1 → 32 → H MLP of scalar
+    # distances; decay would pull c and L_thr towards 0 (a degenerate ψ and normaliser), and the flag is per
+    # scheme, not per tensor.
+    weight_decay = False
+    EPS = 1e-6  # the paper's code: added to the normaliser ψ(max(L_thr, i))
+
+    @dataclasses.dataclass
+    class Config(PositionalScheme.Config):
+        """mlp_width: hidden units of f_θ (the paper: 32), an int >= 1.
+        init_c: the initial c of ψ(x) = log(c·x + 1) (the paper: 0.1), a number > 0.
+        threshold: L₀, the initial threshold L_thr (the paper: the train length); None resolves to L; an int >= 1."""
+
+        mlp_width: int = 32
+        init_c: float = 0.1
+        threshold: Optional[int] = None
+
+        def fill(self, seq_len: int) -> None:
+            if self.threshold is None:
+                self.threshold = seq_len
+
+        def check(self, longest: int | None = None) -> None:
+            if not is_int(self.mlp_width) or self.mlp_width < 1:
+                raise ValueError(f"mlp_width={self.mlp_width!r}: FIRE's MLP needs an integer width >= 1")
+            if not is_number(self.init_c) or not self.init_c > 0:
+                raise ValueError(f"init_c={self.init_c!r}: FIRE's c must start as a number > 0")
+            if self.threshold is not None and (not is_int(self.threshold) or self.threshold < 1):
+                raise ValueError(f"threshold={self.threshold!r}: FIRE's threshold must be an integer >= 1 "
+                                 f"(null: the train length)")
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
+        if self.config.threshold is None:  # built without the train length (a notebook, a test): the reference's L₀
+            self.config = dataclasses.replace(self.config, threshold=REFERENCE_INIT_L)
+        self.mlp = nn.Sequential(nn.Linear(1, self.config.mlp_width), nn.ReLU(), nn.Linear(self.config.mlp_width, n_head))
+        self.c = nn.Parameter(torch.tensor(float(self.config.init_c)))  # ()
+        self.multiplier = nn.Parameter(torch.tensor(1.0))  # (): L_thr = |multiplier · threshold|
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        c = self.c
+        i = q_pos.to(c.dtype)
+        limit = (self.multiplier * self.config.threshold).abs()  # L_thr, ()
+        rel = torch.log1p((c * (q_pos - k_pos).to(c.dtype)).abs())  # ψ(i − j): (1, Tq, Tk) dense; 0-d under Flex
+        norm = torch.log1p((c * torch.maximum(i, limit)).abs()) + self.EPS  # ψ(max(L_thr, i)): (1, Tq, 1)
+        x = rel / norm  # (1, Tq, Tk)
+        w1, b1 = self.mlp[0].weight[:, 0], self.mlp[0].bias  # (W,), (W,)
+        w2, b2 = self.mlp[2].weight, self.mlp[2].bias  # (H, W), (H,)
+        out = b2[h]  # (H, 1, 1)
+        for u in range(w1.shape[0]):  # f_θ(x)[h] = b2[h] + Σ_u W2[h, u]·relu(W1[u]·x + b1[u])
+            out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])  # (H, Tq, Tk)
+        return score + out

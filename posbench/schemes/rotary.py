@@ -1,0 +1,195 @@
+"""Rotary schemes: RoPE (Su et al. 2021) and xPos (Sun et al. 2022); registered as
+``rope`` and ``xpos``. Every rotary scheme takes every context-extension method of posbench/schemes/rope_scaling.py
+(``scheme.scaling``), at training or at evaluation.
+
+A rotary scheme turns dimension pairs of each query and key head by angles proportional to its position (the
+``rotation`` and ``rotate`` hooks), so that an attention score depends on positions only through their difference:
+:func:`rotary_tables` makes the cos and sin tables once per forward pass, :func:`apply_rotary` turns q and k with them.
+
+    from posbench.schemes import build_scheme
+    rope = build_scheme("rope", d_model=128, n_head=4, base=10000.0)
+    yarn = build_scheme("rope", d_model=128, n_head=4, scaling="yarn", factor=16.0, original_length=128)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from posbench.schemes.base import PositionalScheme, check_base, is_int, is_number, register
+from posbench.schemes.rope_scaling import SCALINGS, YARN_RAMPS
+
+
+def rotary_tables(angles: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles: (T, P) float64, the angle of pair i at each position → (cos, sin), each (T, 2P) float64, laid out for
+    :func:`apply_rotary`: pair i in columns i and i + P ("rotate half", GPT-NeoX's layout), the sine's first half
+    negated, both multiplied by the attention ``factor`` (YaRN's √(1/t); 1: untouched)."""
+    sin = angles.sin()
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)  # 2 × (T, 2P)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, Dh); cos, sin: (T, d), d ≤ Dh, from :func:`rotary_tables` (xPos folds its scale into them) → x
+    with pair (x_i, x_{i+d/2}) of its first d dimensions turned, (x_i·cos − x_{i+d/2}·sin, x_{i+d/2}·cos + x_i·sin),
+    and its other Dh − d dimensions as they are."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a no-op cast unless autocast changed x's dtype
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :d], cos, sin), x[..., d:]), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin  # (B, H, T, Dh)
+
+
+@dataclasses.dataclass
+class RotaryConfig(PositionalScheme.Config):
+    """The options of every rotary scheme: the frequencies' base, and the context-extension method.
+
+    base: θ of the frequencies θ_i = base^(−2i/d) (RoFormer uses 10000); must be > 0.
+    scaling: none | linear | ntk | dynamic_ntk | yarn, a context-extension method (posbench/schemes/rope_scaling.py).
+    factor: the scaling factor s >= 1 (1 with scaling=none).
+    beta_fast, beta_slow: YaRN's ramp ends β and α in rotations over the train length, 0 < α < β (32 and 1).
+    original_length: the train length L the methods scale from; None fills to train.seq_len when a method is chosen
+        (and stays None with scaling=none).
+    yarn_ramp: reference (the YaRN code's and HF's ramp, linear in the pair index) or paper (the paper's §3.2 ramp,
+        linear in the rotation count)."""
+
+    base: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_length: Optional[int] = None
+    yarn_ramp: str = "reference"
+
+    def fill(self, seq_len: int) -> None:
+        if self.original_length is None and self.scaling != "none":
+            self.original_length = seq_len
+
+    def check(self, longest: int | None = None) -> None:
+        check_base(self.base)
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling={self.scaling!r}: choose one of {', '.join(SCALINGS)}")
+        if not is_number(self.factor) or self.factor < 1:
+            raise ValueError(f"factor={self.factor!r}: the scaling factor must be a number >= 1")
+        if self.scaling == "none" and self.factor != 1:
+            raise ValueError(f"factor={self.factor!r}: scaling=none uses no factor; choose a scaling method "
+                             f"({', '.join(list(SCALINGS)[1:])}) or factor=1")
+        if not is_number(self.beta_slow) or not is_number(self.beta_fast) or not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(f"beta_slow={self.beta_slow!r}: YaRN's ramp needs 0 < beta_slow < beta_fast "
+                             f"(beta_fast={self.beta_fast!r})")
+        n = self.original_length
+        if n is not None and (not is_int(n) or n < 1):
+            raise ValueError(f"original_length={n!r}: the train length must be a positive integer")
+        if self.yarn_ramp not in YARN_RAMPS:
+            raise ValueError(f"yarn_ramp={self.yarn_ramp!r}: choose one of {', '.join(YARN_RAMPS)}")
+
+    def label(self) -> str:
+        if self.scaling == "none":
+            return ""
+        ramp = "_paper" if self.scaling == "yarn" and self.yarn_ramp == "paper" else ""
+        return f"+{self.scaling}{ramp}×{self.factor:g}"  # rope+yarn×16, rope+yarn_paper×16
+
+
+class _Rotary(PositionalScheme):
+    """What every rotary scheme shares: the frequencies of its Config's scaling method for a forward pass.
+    Raises ValueError when a method is chosen but ``original_length`` was never filled with the train length."""
+
+    Config = RotaryConfig
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
+        c = self.config
+        if c.scaling != "none" and c.original_length is None:
+            raise ValueError(f"scaling={c.scaling!r} needs original_length, the train length it scales from "
+                             "(Config.resolve fills it with train.seq_len)")
+        self.head_dim = d_model // n_head
+
+    def frequencies(self, pos: torch.Tensor, dim: int) -> tuple[torch.Tensor, float]:
+        """The scaling method's (inverse frequencies (dim/2,) float64, attention factor) for positions ``pos``."""
+        return SCALINGS[self.config.scaling](self.config, dim, pos)
+
+
+@register("rope")
+class RoPE(_Rotary):
+    """Rotary position embedding, Su et al. 2021 ("RoFormer"), eq. (34), with the context-extension methods of
+    posbench/schemes/rope_scaling.py.
+
+    Dimension pair i of each query and key head is turned by angle p·θ_i, θ_i = base^(−2i/Dh), so the score
+    q_m·k_n depends on positions only through m − n. Pairs are (i, i + Dh/2) ("rotate half", as in GPT-NeoX), a
+    fixed permutation of the paper's adjacent pairs that leaves every score unchanged. ``scaling`` rescales the
+    frequencies (see :class:`RotaryConfig`).
+    """
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
+        self.rotated = self.head_dim  # d: the dimensions that turn
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """(d/2,) float64: the frequencies θ_i = base^(−2i/d) the model trained with (before any scaling)."""
+        return SCALINGS["none"](self.config, self.rotated, torch.empty(0))[0]
+
+    def rotation(self, pos, dtype):
+        """pos: (T,) → (cos, sin), each (T, d) in ``dtype``: angles p·θ_i of the scaling method in float64."""
+        inv_freq, factor = self.frequencies(pos, self.rotated)  # (d/2,)
+        cos, sin = rotary_tables(pos.to(torch.float64)[:, None] * inv_freq, factor)  # 2 × (T, d)
+        return cos.to(dtype), sin.to(dtype)
+
+    def rotate(self, q, k, rotation):
+        cos, sin = rotation
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@register("xpos")
+class XPos(_Rotary):
+    """xPos, Sun et al. 2022 ("A Length-Extrapolatable Transformer"), §3.2: RoPE with an exponential decay.
+
+    Dimension pair i is turned as in :class:`RoPE` (angle p·θ_i, pairs (i, i + Dh/2), the frequencies of the
+    scaling method), and scaled by ζ_i^(p/B) in a query and ζ_i^(−p/B) in a key, with ζ_i = (i/(Dh/2) + γ)/(1 + γ)
+    ∈ (0, 1) and B = ``scale_base``; the score of query n and key m then carries ζ_i^((n − m)/B) per pair, a decay
+    with the distance that is strongest for the fastest-turning pairs. Only n − m matters, so positions are
+    centred: p is replaced by p − c, c the middle of the forward pass's positions ((min + max)/2, as torchscale
+    centres its window), which changes no score and keeps the scales within ζ_0^(±T/(2B)): at T = 16384 and
+    B = 512, within 0.29^(±16), finite in float32 and bfloat16. (The paper's blockwise causal attention at
+    inference is not part of it: posbench scores each window as one block.)
+    """
+
+    @dataclasses.dataclass
+    class Config(RotaryConfig):
+        """The options of :class:`RotaryConfig`, and gamma: γ of ζ_i = (2i/Dh + γ)/(1 + γ), > 0 (the paper's 0.4);
+        scale_base: B, the distance over which a score decays by ζ_i, > 0 (512)."""
+
+        gamma: float = 0.4
+        scale_base: float = 512.0
+
+        def check(self, longest: int | None = None) -> None:
+            super().check(longest)
+            if not is_number(self.gamma) or not self.gamma > 0:
+                raise ValueError(f"gamma={self.gamma!r}: xPos's gamma must be a number > 0 (the paper uses 0.4)")
+            if not is_number(self.scale_base) or not self.scale_base > 0:
+                raise ValueError(f"scale_base={self.scale_base!r}: xPos's scale base must be a number > 0 (512)")
+
+    def __init__(self, d_model, n_head, config=None):
+        super().__init__(d_model, n_head, config)
+        c, exponent = self.config, torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim  # 2i/Dh
+        self.register_buffer("zeta", (exponent + c.gamma) / (1 + c.gamma), persistent=False)  # (Dh/2,)
+
+    def rotation(self, pos, dtype):
+        """pos: (T,) → (cos_q, sin_q, cos_k, sin_k), each (T, Dh) in ``dtype``: RoPE's tables (in float64) times
+        ζ_i^((p − c)/B) for queries and ζ_i^(−(p − c)/B) for keys, c the middle of ``pos``."""
+        p = pos.to(torch.float64)
+        inv_freq, factor = self.frequencies(pos, self.head_dim)  # (Dh/2,)
+        cos, sin = rotary_tables(p[:, None] * inv_freq, factor)  # 2 × (T, Dh)
+        centre = (p.min() + p.max()) / 2 if p.numel() else 0.0
+        scale = self.zeta ** ((p - centre)[:, None] / self.config.scale_base)  # (T, Dh/2)
+        scale = torch.cat((scale, scale), dim=-1)  # (T, Dh)
+        return tuple(t.to(dtype) for t in (cos * scale, sin * scale, cos / scale, sin / scale))
+
+    def rotate(self, q, k, rotation):
+        cos_q, sin_q, cos_k, sin_k = rotation
+        return apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)

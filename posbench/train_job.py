@@ -1,0 +1,94 @@
+"""``posbench train``'s job: a composed config made ready to run, once, before Hydra makes or touches any folder.
+
+:func:`prepare` finalizes the config (derived defaults filled, every value checked, the scheme's options resolved:
+posbench/config.py), prepares the corpus into its cache and checks that its splits can serve the run, makes the
+model spec, and, given the run folder, finds the training state the run resumes there (posbench/training_state.py).
+The CLI prepares every job of a command line this way before the first one starts, and hands each job on to
+``posbench.train.train``, which takes it as it is.
+
+    job = prepare(cfg, run_dir)   # cfg: the composed DictConfig; raises ConfigError or DataError
+    train(job, run_dir)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from posbench import build, data
+from posbench.config import ConfigError, finalize, to_dict
+from posbench.evaluate import span
+from posbench.schemes import variant_label
+from posbench.training_state import resume_state
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training run, ready: nothing of it is derived again.
+
+    Attributes:
+        config: the finalized config (``posbench.config.finalize``): derived defaults filled, every value checked.
+        corpus: the prepared corpus, its splits checked against the train and evaluation lengths.
+        spec: the model spec (posbench/build.py): vocabulary size, model sizes, the scheme and its resolved options.
+        run_dir: the folder the training state was looked for in; None: not yet (a sweep's job, before Hydra
+            names its folder).
+        state: the training state to resume in ``run_dir`` (``resume=auto``), or None.
+    """
+
+    config: DictConfig
+    corpus: data.Corpus
+    spec: dict
+    run_dir: Path | None = None
+    state: dict | None = None
+
+    @cached_property
+    def label(self) -> str:
+        """The run's variant label (``rope``, ``rope+yarn×16``): results, wandb, report rows."""
+        return variant_label(self.spec["scheme"])
+
+
+def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
+    """The job of the composed config ``cfg`` (finalized in place), in ``run_dir`` when it is known.
+
+    Raises:
+        ConfigError: a bad value (``posbench.config.finalize``), splits too short for the lengths, or a training
+            state in ``run_dir`` the run cannot resume (:func:`posbench.training_state.resume_state`).
+        posbench.data.DataError: unusable data.
+    """
+    finalize(cfg)
+    corpus = prepare_data(cfg)
+    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size))
+    return job if run_dir is None else in_folder(job, run_dir)
+
+
+def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
+    """``job`` with the training state it resumes in ``run_dir`` (looked for once per folder).
+
+    Raises ConfigError as :func:`posbench.training_state.resume_state`."""
+    run_dir = Path(run_dir)
+    if job.run_dir == run_dir:
+        return job
+    return dataclasses.replace(job, run_dir=run_dir, state=resume_state(job.config, run_dir))
+
+
+def prepare_data(cfg: DictConfig) -> data.Corpus:
+    """The corpus of ``cfg.data``, prepared into its cache (or read from it), with its splits checked.
+
+    Raises:
+        posbench.data.DataError: unusable data.
+        ConfigError: the evaluation split is shorter than the longest evaluation length (the message
+            gives its token count), or the train split is shorter than L + 2.
+    """
+    t, e = cfg.train, cfg.eval
+    corpus = data.prepare(**to_dict(cfg.data))
+    try:
+        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
+    if len(corpus.tokens["train"]) <= t.seq_len + 1:
+        raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
+    return corpus

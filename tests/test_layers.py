@@ -1,0 +1,103 @@
+"""The package's layering (docs/design.md §1): every module imports alone in a fresh interpreter, no module imports
+back up into one that imports it (no cycle, imports inside functions counted), and the only imports placed inside
+functions are of the optional dependencies whose import a run may skip (wandb, matplotlib, submitit), each with a
+comment on its line saying so.
+
+The imports are read from the source with ``ast``, independently of any tool of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "posbench"
+LAZY_ALLOWED = ("wandb", "matplotlib", "submitit")
+
+
+def modules() -> dict[str, Path]:
+    """{dotted name: path} of every module of the package (a package's ``__init__`` under the package's name)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
+    """(module of the package, inside a function?, line) of every import in ``path`` that names one."""
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        out += [(t, id(node) in inside, node.lineno) for t in targets if t in known and t != name]
+    return out
+
+
+def test_no_module_imports_back_up():
+    """Depth-first search over the import graph (every import, top level or in a function): no cycle."""
+    mods = modules()
+    graph = {m: {t for t, _, _ in imported(m, p, set(mods))} for m, p in mods.items()}
+    state, path = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_imports_inside_functions_are_optional_dependencies_with_a_reason():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse(path.read_text())
+        for f in ast.walk(tree):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(f):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and node is not f:
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    ok = all(n.split(".")[0] in LAZY_ALLOWED for n in names) and "#" in lines[node.lineno - 1]
+                    if not ok:
+                        found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not found, "imports inside functions that are not an optional dependency with a comment:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_every_module_imports_alone_in_a_fresh_interpreter(module):
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert proc.returncode == 0, f"import {module} alone failed:\n{proc.stderr[-3000:]}"
+
+
+def test_the_test_sees_every_module():
+    """The checks above read the source tree of this checkout: every file of the package is among them."""
+    mods = modules()
+    assert {"posbench", "posbench.cli", "posbench.schemes", "posbench.schemes.base", "posbench.build"} <= set(mods)
+    assert len(mods) == len(list(PACKAGE.rglob("*.py")))

@@ -1,0 +1,110 @@
+"""Rotary options from the command line, checked against a model whose rotation is written here from its paper
+with python math (no code of posbench's schemes), loaded with the run's trained weights:
+
+* ``posbench eval run=<an xpos run> scheme.scaling=yarn scheme.factor=4``: YaRN (the reference code's ramp) on xPos.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posbench import data
+from posbench.evaluate import evaluate
+from posbench.model import GPT
+
+from conftest import cli_env
+from test_rotary import reference_yarn_frequencies
+
+EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
+
+
+def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+class NaiveRotary(torch.nn.Module):
+    """Rotary positions for a GPT, from their formulas: pair (i, i + d/2) of a head's first d dimensions turned by
+    angle p·f_i and scaled by m·ζ_i^(±(p − c)/B) (+ for a query, − for a key; ζ_i = 1 without xPos), the other
+    dimensions unchanged. RoPE (Su et al. 2021), xPos (Sun et al. 2022) with any
+    frequencies f_i and YaRN's factor m."""
+
+    has_bias = key_only_bias = weight_decay = False
+
+    def __init__(self, rotated: int, freqs: list[float], mscale: float = 1.0, xpos: tuple | None = None):
+        super().__init__()
+        self.rotated, self.freqs, self.mscale, self.xpos = rotated, freqs, mscale, xpos
+
+    def embed(self, x, pos):
+        return x
+
+    def rotation(self, pos, dtype):
+        ps = pos.tolist()
+        centre = (min(ps) + max(ps)) / 2
+        half = self.rotated // 2
+        tables = {}
+        for sign in (1, -1):
+            cos = [[0.0] * half for _ in ps]
+            sin = [[0.0] * half for _ in ps]
+            for t, p in enumerate(ps):
+                for i in range(half):
+                    zeta = 1.0 if self.xpos is None else (i / half + self.xpos[0]) / (1 + self.xpos[0])
+                    scale = self.mscale * (1.0 if self.xpos is None else zeta ** (sign * (p - centre) / self.xpos[1]))
+                    cos[t][i], sin[t][i] = scale * math.cos(p * self.freqs[i]), scale * math.sin(p * self.freqs[i])
+            tables[sign] = (torch.tensor(cos, dtype=dtype), torch.tensor(sin, dtype=dtype))  # (T, d/2) each
+        return tables
+
+    def rotate(self, q, k, rotation):
+        d, half = self.rotated, self.rotated // 2
+
+        def turn(x, cos, sin):
+            x1, x2 = x[..., :half], x[..., half:d]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., d:]), dim=-1)
+
+        return turn(q, *rotation[1]), turn(k, *rotation[-1])
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        return score
+
+
+def naive_model(state: dict, scheme: NaiveRotary) -> GPT:
+    m = state["spec"]["model"]
+    model = GPT(state["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
+                scale_embeddings=m["scale_embeddings"])
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def naive_nll(folder: Path, record: dict, scheme: NaiveRotary) -> list[float]:
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    tokens = data.prepare(**record["config"]["data"]).tokens["validation"]
+    return [r["nll"] for r in evaluate(naive_model(state, scheme), tokens, [32, 64], max_tokens=256)]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    return tmp_path_factory.mktemp("rotary-cli-cache"), tmp_path_factory.mktemp("rotary-cli-cwd")
+
+
+def test_yarn_on_an_xpos_run_from_the_command_line(places, tmp_path):
+    cache, cwd = places
+    run = tmp_path / "xpos"
+    posbench("train", "debug=fast", "scheme=xpos", *EVAL, f"hydra.run.dir={run}", f"data.cache_dir={cache}", cwd=cwd)
+    posbench("eval", f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4", cwd=cwd)
+    rec = json.loads((run / "eval-xpos+yarnx4-nonoverlapping-validation-1.json").read_text())
+    assert rec["label"] == "xpos+yarn×4" and rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0,
+                                                                         "original_length": 32}
+    trained = json.loads((run / "results.json").read_text())
+    assert all(a != b for a, b in zip((r["nll"] for r in rec["results"]), (r["nll"] for r in trained["results"])))
+    dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]
+    scheme = NaiveRotary(dh, reference_yarn_frequencies(dh, 4.0, 32), 0.1 * math.log(4.0) + 1, xpos=(0.4, 512.0))
+    assert [r["nll"] for r in rec["results"]] == pytest.approx(naive_nll(run, rec, scheme), rel=1e-5)
