@@ -352,7 +352,7 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
     assert not skipped and [r["config"]["scheme"] for r in records] == [
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
         {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None,
-         "yarn_ramp": "reference"}]
+         "yarn_ramp": "reference", "rotary_fraction": 1.0}]
     table_text, _, _ = report.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
     md = (root / "report.md").read_text()

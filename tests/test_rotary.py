@@ -196,7 +196,7 @@ def test_original_length_resolves_to_the_train_length_when_a_method_is_chosen():
     assert resolved(scaling="linear", factor=4.0, original_length=128).original_length == 128
     fields = {f.name: f.default for f in dataclasses.fields(RoPE.Config)}
     assert fields == {"base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                      "original_length": None, "yarn_ramp": "reference"}
+                      "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}
 
 
 @pytest.mark.parametrize("options, start", [
@@ -444,8 +444,78 @@ def test_xpos_without_a_scaling_is_xpos_before_scalings_existed():
     assert all(torch.equal(a, b) for a, b in zip(xpos.rotation(pos, torch.float32), old))
 
 
-def test_labels_name_the_ramp_and_every_rotary_scheme_s_scaling():
+# ---- partial rotary (GPT-NeoX's rotary_pct) ---------------------------------------------------------
+
+
+def naive_partial(x, p, fraction, dh=DH, base=10000.0):
+    """Vector x (python list) at position p, as GPT-NeoX rotates it (Black et al. 2022, §2; HF's GPTNeoX with
+    ``rotary_pct``): the first d = 2·max(1, ⌊⌊f·Dh⌋/2⌋) dimensions form pairs (i, i + d/2) turned by
+    p·base^(−2i/d); the other Dh − d dimensions pass unchanged."""
+    d = 2 * max(1, int(fraction * dh) // 2)
+    out = list(x)
+    for i in range(d // 2):
+        a = p * base ** (-2 * i / d)
+        out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+        out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+    return out
+
+
+@pytest.mark.parametrize("fraction, rotated", [(0.25, 4), (0.5, 8), (0.75, 12), (0.3, 4), (0.1, 2), (0.01, 2)])
+def test_partial_rotary_turns_the_first_dimensions_as_gpt_neox(fraction, rotated):
+    rope = scheme(rotary_fraction=fraction)
+    assert rope.rotated == rotated
+    torch.manual_seed(9)
+    q, k = torch.randn(1, 2, 6, DH, dtype=torch.float64), torch.randn(1, 2, 6, DH, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 7, 100, 511, 4095])
+    qr, kr = rope.rotate(q, k, rope.rotation(pos, torch.float64))
+    for h in range(2):
+        for t, p in enumerate(pos.tolist()):
+            assert_close(qr[0, h, t], torch.tensor(naive_partial(q[0, h, t].tolist(), p, fraction), dtype=torch.float64))
+            assert_close(kr[0, h, t], torch.tensor(naive_partial(k[0, h, t].tolist(), p, fraction), dtype=torch.float64))
+    assert torch.equal(qr[..., rotated:], q[..., rotated:])  # the rest carries no position
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_fraction_1_is_rope_bit_for_bit(dtype):
+    pos = torch.tensor([*range(70), 1000, 16383])
+    whole = scheme(rotary_fraction=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(whole.rotation(pos, dtype), old_rope_tables(pos, dtype)))
+    q = torch.randn(1, 2, len(pos), DH).to(dtype)
+    cos, sin = old_rope_tables(pos, dtype)
+    x1, x2 = q.chunk(2, dim=-1)
+    assert torch.equal(whole.rotate(q, q, whole.rotation(pos, dtype))[0], q * cos + torch.cat((x2, x1), dim=-1) * sin)
+
+
+def test_partial_rotary_scores_depend_on_relative_position_and_take_the_scalings():
+    torch.manual_seed(10)
+    q, k = torch.randn(1, 1, 1, DH, dtype=torch.float64), torch.randn(1, 1, 1, DH, dtype=torch.float64)
+    for options in ({}, {"scaling": "yarn", "factor": 4.0, "original_length": 64}):
+        rope = scheme(rotary_fraction=0.5, **options)
+
+        def score(m, n):
+            qm, _ = rope.rotate(q, q, rope.rotation(torch.tensor([m]), torch.float64))
+            _, kn = rope.rotate(k, k, rope.rotation(torch.tensor([n]), torch.float64))
+            return (qm * kn).sum()
+
+        assert_close(score(305, 300), score(5, 0))
+    # with a scaling, the rotated part uses the method's frequencies of a d-wide RoPE (d = 8 of Dh = 16)
+    rope = scheme(rotary_fraction=0.5, scaling="yarn", factor=4.0, original_length=64)
+    freqs = reference_yarn_frequencies(8, 4.0, 64)
+    cos, _ = rope.rotation(torch.tensor([3]), torch.float64)
+    assert_close(cos[0, :4], torch.tensor([(0.1 * math.log(4.0) + 1) * math.cos(3 * f) for f in freqs], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.25, float("nan")])
+def test_a_rotary_fraction_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError) as err:
+        resolved(rotary_fraction=value)
+    assert str(err.value).startswith(f"rotary_fraction={value!r}"), str(err.value)
+
+
+def test_labels_name_the_rotated_fraction_and_the_ramp():
     from posbench.schemes import variant_label
 
+    assert variant_label({"name": "rope", "rotary_fraction": 0.25}) == "rope+partial0.25"
+    assert variant_label({"name": "rope", "rotary_fraction": 0.25, "scaling": "yarn", "factor": 4.0}) == "rope+partial0.25+yarn×4"
     assert variant_label({"name": "rope", "scaling": "yarn", "factor": 4.0, "yarn_ramp": "paper"}) == "rope+yarn_paper×4"
     assert variant_label({"name": "xpos", "scaling": "ntk", "factor": 2.0}) == "xpos+ntk×2"

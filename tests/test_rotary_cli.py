@@ -1,6 +1,7 @@
-"""Rotary options from the command line, checked against a model whose rotation is written here from its paper
+"""Rotary options from the command line, each checked against a model whose rotation is written here from its paper
 with python math (no code of posbench's schemes), loaded with the run's trained weights:
 
+* ``posbench train scheme=rope scheme.rotary_fraction=0.25``: GPT-NeoX's partial rotary, trained and evaluated;
 * ``posbench eval run=<an xpos run> scheme.scaling=yarn scheme.factor=4``: YaRN (the reference code's ramp) on xPos.
 """
 
@@ -35,7 +36,7 @@ def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
 class NaiveRotary(torch.nn.Module):
     """Rotary positions for a GPT, from their formulas: pair (i, i + d/2) of a head's first d dimensions turned by
     angle p·f_i and scaled by m·ζ_i^(±(p − c)/B) (+ for a query, − for a key; ζ_i = 1 without xPos), the other
-    dimensions unchanged. RoPE (Su et al. 2021), xPos (Sun et al. 2022) with any
+    dimensions unchanged. RoPE (Su et al. 2021), partial rotary (GPT-NeoX), xPos (Sun et al. 2022) with any
     frequencies f_i and YaRN's factor m."""
 
     has_bias = key_only_bias = weight_decay = False
@@ -93,6 +94,19 @@ def naive_nll(folder: Path, record: dict, scheme: NaiveRotary) -> list[float]:
 @pytest.fixture(scope="module")
 def places(tmp_path_factory):
     return tmp_path_factory.mktemp("rotary-cli-cache"), tmp_path_factory.mktemp("rotary-cli-cwd")
+
+
+def test_partial_rotary_trains_from_the_command_line_as_gpt_neox_rotates(places, tmp_path):
+    cache, cwd = places
+    run = tmp_path / "partial"
+    posbench("train", "debug=fast", "scheme=rope", "scheme.rotary_fraction=0.25", *EVAL, f"hydra.run.dir={run}",
+             f"data.cache_dir={cache}", cwd=cwd)
+    rec = json.loads((run / "results.json").read_text())
+    assert rec["label"] == "rope+partial0.25" and rec["config"]["scheme"]["rotary_fraction"] == 0.25
+    dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]  # 32: d = 8 dimensions turn
+    d = 2 * max(1, int(0.25 * dh) // 2)
+    want = naive_nll(run, rec, NaiveRotary(d, [10000.0 ** (-2 * i / d) for i in range(d // 2)]))
+    assert [r["nll"] for r in rec["results"]] == pytest.approx(want, rel=1e-5)
 
 
 def test_yarn_on_an_xpos_run_from_the_command_line(places, tmp_path):

@@ -1,4 +1,4 @@
-"""Rotary schemes: RoPE (Su et al. 2021) and xPos (Sun et al. 2022); registered as
+"""Rotary schemes: RoPE (Su et al. 2021) with GPT-NeoX's partial rotary, and xPos (Sun et al. 2022); registered as
 ``rope`` and ``xpos``. Every rotary scheme takes every context-extension method of posbench/schemes/rope_scaling.py
 (``scheme.scaling``), at training or at evaluation.
 
@@ -9,6 +9,7 @@ A rotary scheme turns dimension pairs of each query and key head by angles propo
     from posbench.schemes import build_scheme
     rope = build_scheme("rope", d_model=128, n_head=4, base=10000.0)
     yarn = build_scheme("rope", d_model=128, n_head=4, scaling="yarn", factor=16.0, original_length=128)
+    neox = build_scheme("rope", d_model=128, n_head=4, rotary_fraction=0.25)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def rotary_tables(angles: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tens
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, T, Dh); cos, sin: (T, d), d ≤ Dh, from :func:`rotary_tables` (xPos folds its scale into them) → x
     with pair (x_i, x_{i+d/2}) of its first d dimensions turned, (x_i·cos − x_{i+d/2}·sin, x_{i+d/2}·cos + x_i·sin),
-    and its other Dh − d dimensions as they are."""
+    and its other Dh − d dimensions as they are (partial rotary)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a no-op cast unless autocast changed x's dtype
     d = cos.shape[-1]
     if d < x.shape[-1]:
@@ -116,18 +117,37 @@ class _Rotary(PositionalScheme):
 
 @register("rope")
 class RoPE(_Rotary):
-    """Rotary position embedding, Su et al. 2021 ("RoFormer"), eq. (34), with the context-extension methods of
-    posbench/schemes/rope_scaling.py.
+    """Rotary position embedding, Su et al. 2021 ("RoFormer"), eq. (34), with GPT-NeoX's partial rotary and the
+    context-extension methods of posbench/schemes/rope_scaling.py.
 
-    Dimension pair i of each query and key head is turned by angle p·θ_i, θ_i = base^(−2i/Dh), so the score
-    q_m·k_n depends on positions only through m − n. Pairs are (i, i + Dh/2) ("rotate half", as in GPT-NeoX), a
-    fixed permutation of the paper's adjacent pairs that leaves every score unchanged. ``scaling`` rescales the
-    frequencies (see :class:`RotaryConfig`).
+    Dimension pair i of the rotated part of each query and key head is turned by angle p·θ_i, θ_i = base^(−2i/d),
+    so the score q_m·k_n depends on positions only through m − n. Pairs are (i, i + d/2) ("rotate half", as in
+    GPT-NeoX), a fixed permutation of the paper's adjacent pairs that leaves every score unchanged. Partial rotary
+    (Black et al. 2022, "GPT-NeoX-20B", §2; HF's ``rotary_pct``): only the first d = 2·max(1, ⌊⌊f·Dh⌋/2⌋) of the Dh
+    dimensions turn, f = ``rotary_fraction``, with the frequencies of a d-wide RoPE; the rest carry no position.
+    f = 1 (the default) is RoPE bit for bit. ``scaling`` rescales the frequencies (see :class:`RotaryConfig`).
     """
+
+    @dataclasses.dataclass
+    class Config(RotaryConfig):
+        """The options of :class:`RotaryConfig`, and rotary_fraction: f in (0, 1], the fraction of each head's
+        dimensions that turn (GPT-NeoX-20B: 0.25); 1 turns all of them."""
+
+        rotary_fraction: float = 1.0
+
+        def check(self, longest: int | None = None) -> None:
+            super().check(longest)
+            if not is_number(self.rotary_fraction) or not 0 < self.rotary_fraction <= 1:
+                raise ValueError(f"rotary_fraction={self.rotary_fraction!r}: the rotated fraction of a head must be "
+                                 "in (0, 1]")
+
+        def label(self) -> str:
+            partial = "" if self.rotary_fraction == 1 else f"+partial{self.rotary_fraction:g}"
+            return partial + super().label()  # rope+partial0.25+yarn×4
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
-        self.rotated = self.head_dim  # d: the dimensions that turn
+        self.rotated = 2 * max(1, int(self.head_dim * self.config.rotary_fraction) // 2)  # d: even, 2 … Dh
 
     @property
     def inv_freq(self) -> torch.Tensor:
