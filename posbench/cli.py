@@ -140,8 +140,9 @@ def _job(cfg: DictConfig, prepare):
 
 
 def _prepare(config_name: str, cfg: DictConfig, multirun: bool):
-    """The prepared job of the composed ``cfg`` (Hydra's node popped first): a single training run with the training
-    state of its run folder (a sweep's jobs get theirs when Hydra has named their folders)."""
+    """(the key Hydra's task will find it by, the prepared job) of the composed ``cfg``, Hydra's node popped first. A
+    single training run's job carries the training state of its run folder; a sweep's jobs look theirs up in their
+    Hydra tasks, once Hydra has named their folders."""
     with open_dict(cfg):
         hydra_cfg = cfg.pop("hydra")
     key = _key(cfg)

@@ -588,3 +588,18 @@ def test_multirun_ends_with_a_report_in_the_sweep_folder(tmp_path_factory):
         assert float(r["ppl_std"]) == pytest.approx(statistics.stdev(math.exp(v) for v in nll), rel=1e-12)
         assert r["test"] in ("best", "welch")
     assert {(r["setting"], int(r["length"])) for r in rows} == {(s, n) for s in ("alibi", "rope") for n in (32, 64)}
+
+
+def test_a_yarn_record_of_format_3_reads_as_the_paper_ramp(tmp_path):
+    """Before scheme.yarn_ramp existed (results format 3), posbench's YaRN was the paper's ramp: such a record is
+    labelled rope+yarn_paper×16, a row of its own beside today's YaRN (the reference ramp, recorded by format 4)."""
+    folder = tmp_path / "runs" / "rope"
+    cfg = config("rope", 0)
+    write_run(folder, cfg)
+    yarn = {"name": "rope", "base": 10000.0, "scaling": "yarn", "factor": 16.0, "original_length": 32}
+    old = write_eval(folder, {**cfg, "scheme": yarn})
+    (old.with_suffix(".json")).write_text(json.dumps({**json.loads(old.read_text()), "format": 3}))
+    write_eval(folder, {**cfg, "scheme": {**yarn, "yarn_ramp": "reference"}})
+    records, skipped = compare.collect([tmp_path / "runs"])
+    assert not skipped and sorted(r["setting"] for r in records) == ["rope", "rope+yarn_paper×16", "rope+yarn×16"]
+    assert [r["config"]["scheme"]["yarn_ramp"] for r in records if r["format"] == 3] == ["paper"]

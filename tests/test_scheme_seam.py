@@ -203,6 +203,26 @@ def test_an_old_checkpoint_loads_and_scores_the_same(name, fmt, tmp_path):
         assert rebuilt.scheme.table.weight.shape[0] == 40  # the recorded table size, not 16·L
 
 
+def test_a_yarn_checkpoint_from_before_the_ramp_option_rebuilds_the_paper_ramp(tmp_path):
+    """A checkpoint of a model trained with YaRN before scheme.yarn_ramp existed records no ramp: it was the
+    paper's, and the rebuilt model computes what was trained (the default, the reference ramp, would not)."""
+    scheme = {"name": "rope", "base": 10000.0, "scaling": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+              "original_length": 8}
+    spec = {"vocab_size": VOCAB, "model": {"n_layer": 1, "n_head": H, "d_model": D, "d_ff": 2 * D}, "scheme": scheme}
+    torch.manual_seed(0)
+    trained = build.build_model(spec, {"scheme": {"yarn_ramp": "paper"}}).eval()
+    torch.save({"format": 3, "model": trained.state_dict(), "spec": spec, "config": {"scheme": scheme, "train": {"seq_len": 8}},
+                "vocab_size": VOCAB, "tokenizer": {}, "step": 1}, tmp_path / "old.pt")
+    state = checkpoint.read(tmp_path / "old.pt")
+    assert state["spec"]["scheme"]["yarn_ramp"] == state["config"]["scheme"]["yarn_ramp"] == "paper"
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(build.model_from(state)(idx), trained(idx))
+        default = build.build_model(spec).eval()  # the same spec read as today's: the reference ramp
+        default.load_state_dict(state["model"])
+        assert not torch.equal(default(idx), trained(idx))
+
+
 # ---- one builder and its spec ------------------------------------------------------------------------
 
 
