@@ -30,8 +30,6 @@ from importlib.metadata import PackageNotFoundError, files as dist_files
 from pathlib import Path
 from typing import Callable, Optional
 
-import datasets
-
 SPLITS = ("train", "validation", "test")
 
 
@@ -164,6 +162,8 @@ def wikitext_articles(lines, cache_dir: str, fingerprint: str):
     r"""WikiText rows → articles. The rows are the raw files' lines in order (``" = Title = \n"``, text lines
     ending in ``\n``, ``""`` for a blank line), so joined they are the split's text stream, as fairseq reads
     ``wiki.*.raw``; that stream is cut before each article title, so ``<|endoftext|>`` separates articles."""
+    import datasets  # here, not at the top: only building a cache needs it (0.5 s of every start-up otherwise)
+
     def articles(lines):
         doc, has_text = [], False
         for batch in lines.iter(batch_size=10_000):
@@ -258,6 +258,7 @@ def load_hub_corpus(name: str, path: Optional[str], max_train_docs: Optional[int
             user sets it), a Hub copy that needs a loading script, a local copy that cannot be read, a missing
             split or a missing ``text`` column.
     """
+    import datasets  # (as in wikitext_articles)
 
     spec = HUB_CORPORA[name]
     try:

@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import datasets
 import numpy as np
-from datasets.utils import tqdm
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from posbench.corpora import FILE_CORPORA, HUB_CORPORA, SPLITS, DataError, file_sha256, hub_identity, load_hub_corpus
@@ -85,6 +83,7 @@ def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] =
 
     Without a budget through ``datasets.map`` (``num_proc`` workers); with ``max_tokens`` lazily, stopping
     once the budget is written (the last document cut)."""
+    from datasets.utils import tqdm  # here, not at the top: only building a cache needs it (0.5 s of start-up)
 
     eos = tok.token_to_id(EOS)
     dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
@@ -118,9 +117,12 @@ def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] =
 
 
 def _load_files(split_files: dict, clean, cache_dir: str | None):
+    """The files of each split ({split: [paths]}) as a ``datasets.DatasetDict``, a document per file, each passed
+    through ``clean`` (None: as read)."""
+    import datasets  # (as in _write_split)
 
     ds = datasets.load_dataset("text", data_files={s: [str(f) for f in fs] for s, fs in split_files.items()},
-                      sample_by="document", cache_dir=str(cache_root(cache_dir) / "hf"))
+                               sample_by="document", cache_dir=str(cache_root(cache_dir) / "hf"))
     if clean is not None:
         ds = ds.map(lambda b: {"text": [clean(t) for t in b["text"]]}, batched=True, desc="cleaning")
     return ds
