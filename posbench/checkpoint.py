@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from posbench.corpora import file_sha256
+from posbench.config import ConfigError
 from posbench.upgrade import scheme_section, upgrade
 
 FORMAT = 3  # 3: a scheme records its own options only, and the spec; 2: model.scale_embeddings; 1 and 2 are still read
@@ -89,23 +90,36 @@ def save_state(run_dir: Path, state: dict, keep: int) -> Path:
 
 
 def latest_state(run_dir: Path) -> dict | None:
-    """The newest training state in ``run_dir/checkpoints`` whose checksum matches, or None.
+    """The newest training state in ``run_dir/checkpoints`` whose checksum matches, or None when there is none.
 
-    A corrupt or truncated state (checksum mismatch, missing checksum, unreadable) is reported as a
-    warning and the previous one is tried. Its config is read through ``posbench.upgrade.upgrade`` (absent
-    keys at their defaults, posbench/upgrade.py); one that does not fit this posbench's schema raises ConfigError."""
-    for path in sorted((Path(run_dir) / STATES).glob("step-*.pt"), reverse=True):
+    A corrupt or truncated state (checksum mismatch, missing checksum, unreadable) is reported as a warning and
+    the previous one is tried. Its config is read through ``posbench.upgrade.upgrade`` (absent keys at their
+    defaults, posbench/upgrade.py).
+
+    Raises:
+        ConfigError: states exist and none of them is usable (the message names the newest and offers
+            ``resume=never``): training from step 0 would overwrite a run that is only damaged; or the state's
+            config does not fit this posbench's schema.
+    """
+    paths, skipped = sorted((Path(run_dir) / STATES).glob("step-*.pt"), reverse=True), []
+    for path in paths:
         recorded = path.with_name(path.name + ".sha256")
         if not recorded.exists() or recorded.read_text().strip() != file_sha256(path):
-            log.warning("checkpoint %s is corrupt or truncated (checksum mismatch): trying the previous one", path)
+            skipped.append(f"{path} is corrupt or truncated (checksum mismatch)")
             continue
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back the same way
-            log.warning("checkpoint %s is unreadable (%s): trying the previous one", path, type(e).__name__)
+            skipped.append(f"{path} is unreadable ({type(e).__name__})")
             continue
+        for problem in skipped:
+            log.warning("checkpoint %s: trying the previous one", problem)
         state["config"] = upgrade(state["config"], state.get("format", 1))  # a foreign config: ConfigError
         return state
+    if paths:
+        raise ConfigError(f"no usable training state in {Path(run_dir) / STATES}: {skipped[0]}; rather than train "
+                          "over this run from step 0, posbench stops: pass resume=never to start over here (it "
+                          "removes the old states), or use a new run folder")
     return None
 
 

@@ -17,7 +17,6 @@ prepared for it (in this process; a sweep's worker process prepares its own, onc
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
@@ -30,25 +29,22 @@ if not sys.stderr.isatty() or os.environ.get("CI"):
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # logs and CI get no progress bars
 
 import hydra  # noqa: E402
-from hydra import compose, initialize_config_module  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
-from hydra.errors import MissingConfigException  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from posbench import compare, dist, eval_job, gpus, report, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench import compare, dist, eval_job, gpus, jobs, report, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
 from posbench.checkpoint import CheckpointError  # noqa: E402
-from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_of, scheme_schema, to_dict  # noqa: E402
+from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
+from posbench.jobs import CONFIG_MODULE, writable  # noqa: E402
 from posbench.schemes import SCHEMES  # noqa: E402
+from posbench.signals import EXIT_INTERRUPTED  # noqa: E402
 from posbench.tracking import Tracker  # noqa: E402
-from posbench.train import EXIT_PREEMPTED, Preempted, TrainingFailed, train  # noqa: E402
+from posbench.train import Preempted, TrainingFailed, train  # noqa: E402
 
-CONFIG_MODULE = "posbench.conf"
 USAGE = """usage: posbench <command> [overrides...]
 
 commands:
@@ -57,7 +53,6 @@ commands:
   report   tables and plots from runs         posbench report <folders...> [--out DIR]
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
-PREPARED: dict[str, object] = {}  # the composed job config (YAML) → its prepared job, made by preflight
 
 
 class Exit(SystemExit):
@@ -85,96 +80,13 @@ def register() -> None:
         store.store(group="scheme", name=name, node=scheme_schema(name))
 
 
-# ---- before Hydra: every job composed and prepared ----------------------------------------------------------
-
-
-def _one_line(err: Exception) -> str:
-    """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices."""
-    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
-        group, name = err.missing_cfg_file.rsplit("/", 1)
-        return f"unknown {group} {name!r}; choose one of: {', '.join(err.options or [])}"
-    while err.__cause__ is not None:
-        err = err.__cause__
-    key = getattr(err, "full_key", None)
-    text = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
-    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
-        scheme = scheme_of(getattr(err, "object_type", None))
-        if getattr(err, "object_type", None) is eval_schema().__dataclass_fields__["scheme"].type:
-            what = "cannot change the run's scheme" if key == "scheme.name" else "knows no scheme with that option"
-            return (f"{key}: posbench eval {what}; it takes options of the run's scheme only "
-                    f"(see them with: posbench train scheme=<name> --cfg job)")
-        if scheme is not None:
-            options = ", ".join(SCHEMES[scheme].options()) or "none"
-            return f"{key} is not an option of the {scheme} scheme; its options: {options}"
-        return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
-    if key and "could not be converted" in text:
-        return f"{key}: {text.replace('Value', 'value', 1)}"
-    return f"{key}: {text}" if key else text
-
-
-def _jobs(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:
-    """The override lists of every job the command line asks for (sweeps expanded, the config's own too)."""
-    parser = OverridesParser.create()
-    parsed = parser.parse_overrides(overrides)
-    if not multirun:
-        return [overrides]
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    declared = compose(config_name, overrides=fixed, return_hydra_config=True).hydra.sweeper.params or {}
-    given = {o.key_or_group for o in parsed}
-    parsed += parser.parse_overrides([f"{k}={v}" for k, v in declared.items() if k not in given])
-    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
-            for o in parsed]
-    return [list(c) for c in itertools.product(*axes)]
-
-
-def _key(cfg: DictConfig) -> str:
-    """What identifies a job: its composed config (without Hydra's node), as YAML."""
-    return OmegaConf.to_yaml(cfg)
-
-
-def _job(cfg: DictConfig, prepare):
-    """The job :func:`preflight` prepared for Hydra's composed ``cfg`` in this process, or, in a sweep's worker
-    process, ``prepare(cfg)``. (Hydra's tasks reach :data:`PREPARED` only through here: a joblib worker receives a
-    task function pickled by value, with the globals it names, and must not receive the prepared jobs.)"""
-    return PREPARED.get(_key(cfg)) or prepare(cfg)
-
-
-def _prepare(config_name: str, cfg: DictConfig, multirun: bool):
-    """(the key Hydra's task will find it by, the prepared job) of the composed ``cfg``, Hydra's node popped first. A
-    single training run's job carries the training state of its run folder; a sweep's jobs look theirs up in their
-    Hydra tasks, once Hydra has named their folders."""
-    with open_dict(cfg):
-        hydra_cfg = cfg.pop("hydra")
-    key = _key(cfg)
-    if config_name == "eval":
-        return key, eval_job.prepare(cfg)
-    run_dir = None if multirun else Path(os.path.abspath(OmegaConf.to_container(hydra_cfg.run, resolve=True)["dir"]))
-    return key, train_job.prepare(cfg, run_dir)
-
-
 def preflight(argv: list[str], config_name: str) -> None:
-    """Compose and prepare every job of ``argv`` (values checked and resolved, data prepared into its cache and
-    the splits' sizes checked, a single run's resume state found or refused, an evaluation's model loaded), keep
-    each in :data:`PREPARED` for Hydra's job, and set ``POSBENCH_SWEPT``; exit with one error line on the first
-    bad one."""
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f not in ("-m", "--multirun") for f in flags):
-        return  # --cfg, --help, --info ...: Hydra's own business
-    overrides = [a for a in argv if not a.startswith("-")]
-    PREPARED.clear()
+    """Compose and prepare every job of ``argv`` before Hydra starts (posbench/jobs.py); exit with one error line
+    and status 2 on the first bad one."""
     try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            jobs = _jobs(overrides, bool(flags), config_name)
-            for job in jobs:
-                key, prepared = _prepare(config_name, compose(config_name, overrides=job, return_hydra_config=True),
-                                         bool(flags))
-                PREPARED[key] = prepared
-    except (ConfigError, DataError) as e:
+        jobs.prepare_all(argv, config_name)
+    except jobs.Refused as e:
         fail(str(e))
-    except Exception as e:  # Hydra / OmegaConf composition errors
-        fail(_one_line(e))
-    swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
-    os.environ["POSBENCH_SWEPT"] = ",".join(sorted(swept))  # the run name of each job: its swept overrides
 
 
 # ---- Hydra's jobs -------------------------------------------------------------------------------------------
@@ -190,12 +102,18 @@ def _run_name(job: train_job.TrainJob, hc) -> str:
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    with gpus.job_gpu(hc):  # first: the job's own GPU (joblib sweeps), before anything touches CUDA
-        out_dir = Path(hc.runtime.output_dir)
+    out_dir = Path(hc.runtime.output_dir)
+    try:
+        jobs.lock(out_dir)  # a sweep's job: its folder is named now (a single run's was taken by preflight)
+    except jobs.Refused as e:
+        fail(str(e))
+    with runlock.releasing(out_dir), gpus.job_gpu(hc):  # the job's own GPU (joblib sweeps) before CUDA is touched
         try:
-            job = train_job.in_folder(_job(cfg, train_job.prepare), out_dir)
+            job = train_job.in_folder(jobs.job_for(cfg, train_job.prepare), out_dir)
         except (ConfigError, DataError) as e:
             fail(str(e))
+        if dist.rank() == 0:
+            print(f"run folder: {out_dir}", flush=True)
         multirun = hc.mode == RunMode.MULTIRUN
         tracker = Tracker.from_config(job.config, out_dir, "train", name=_run_name(job, hc),
                                       sweep_dir=Path(hc.sweep.dir) if multirun else None, config=to_dict(job.config))
@@ -210,17 +128,19 @@ def _train(cfg: DictConfig) -> None:
             if not multirun:
                 raise Exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
         except Preempted as e:
-            tracker.finish(exit_code=EXIT_PREEMPTED)
+            tracker.finish(exit_code=e.exit_status)
             print(f"posbench: {e}", file=sys.stderr)
-            raise Exit(EXIT_PREEMPTED)
+            raise Exit(e.exit_status)
         tracker.finish()
+        if dist.rank() == 0:
+            print(f"run folder: {out_dir}", flush=True)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
 def _eval(cfg: DictConfig) -> None:
     with gpus.job_gpu(HydraConfig.get()):
         try:
-            job = _job(cfg, eval_job.prepare)
+            job = jobs.job_for(cfg, eval_job.prepare)
         except (ConfigError, DataError) as e:
             fail(str(e))
         rec = eval_job.run(job)
@@ -253,6 +173,10 @@ def _report(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="where to write the report (default: the first folder)")
     args = parser.parse_args(argv)
     try:
+        writable(args.out or args.folders[0], "give a folder you can write with --out DIR")
+    except ConfigError as e:
+        fail(str(e))
+    try:
         table_text, _, _ = report.write_report(args.folders, args.out or args.folders[0])
     except compare.ReportError as e:
         fail(str(e))
@@ -263,8 +187,18 @@ COMMANDS = {"train": (_train, "train"), "eval": (_eval, "eval")}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``posbench`` console script and of ``python -m posbench``."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of the ``posbench`` console script and of ``python -m posbench``. Ctrl-C outside the training
+    loop (which saves a checkpoint first: posbench/signals.py) leaves with one line and status 130, no traceback."""
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        dist.finish(together=False)
+        print("posbench: interrupted (Ctrl-C); a training run resumes from its last saved state when the same "
+              "command is run again", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return

@@ -14,6 +14,7 @@ Scheme, model and data code never see these objects: the jobs hand them plain va
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, List, Optional
@@ -203,16 +204,16 @@ def check_keys(node: DictConfig, known, prefix: str = "") -> None:
 
 def _optimizer_values(t: DictConfig) -> None:
     """Values that would silently break training: each refused with the value and what is allowed."""
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} is not allowed: it must be > 0")
+    if not (math.isfinite(t.lr) and t.lr > 0):  # (nan and inf fail every comparison that would let them through)
+        raise ConfigError(f"train.lr={t.lr} is not allowed: it must be a finite number > 0")
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is not allowed: it must be between 0 and train.lr={t.lr} "
                           "(the cosine schedule decays from lr to min_lr)")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not allowed: it must be >= 0")
-    if t.weight_decay < 0:
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
         raise ConfigError(f"train.weight_decay={t.weight_decay} is not allowed: it must be >= 0")
-    if t.grad_clip < 0:
+    if not t.grad_clip >= 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} is not allowed: it must be > 0 (the largest gradient norm) "
                           "or 0 (no clipping)")
     betas = list(t.betas)
@@ -240,10 +241,16 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
     for n in e.lengths:
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
+    if list(e.lengths) != sorted(set(e.lengths)):
+        raise ConfigError(f"eval.lengths={list(e.lengths)} is not allowed: give increasing lengths without repeats, "
+                          f"e.g. [{','.join(map(str, sorted(set(e.lengths))))}] (tables and ratios read them in order)")
     if e.protocol not in PROTOCOLS:
         raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
     if e.split not in SPLITS:
         raise ConfigError(f"eval.split={e.split!r} is unknown; choose one of: {', '.join(SPLITS)}")
+    if e.protocol != "sliding" and e.stride is not None:
+        raise ConfigError(f"eval.stride={e.stride} applies to eval.protocol=sliding only, and eval.protocol="
+                          f"{e.protocol}: drop eval.stride, or add eval.protocol=sliding")
     if e.protocol == "sliding":
         if e.stride is None:
             raise ConfigError("eval.protocol=sliding needs eval.stride (1 <= stride <= the evaluation length)")
@@ -273,6 +280,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
     """
     check_keys(cfg, PosbenchConfig())
     t, m, s = cfg.train, cfg.model, cfg.scheme
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} is not allowed: it must be an integer >= 0")
     if s.name not in SCHEMES:
         raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
     for key in ("seq_len", "batch_size", "steps", "log_every"):

@@ -20,6 +20,7 @@ To add a corpus, register a file lister in :data:`FILE_CORPORA` or a :class:`Hub
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib
 import importlib.util
@@ -126,7 +127,25 @@ def _expand(paths: list[str], key: str) -> list[Path]:
     for f in out:
         if f.stat().st_size == 0:
             raise DataError(f"{key}: file {str(f)!r} is empty")
+        check_utf8(f, key)
     return out
+
+
+def check_utf8(path: Path, key: str) -> None:
+    """Raise DataError, naming the file, the first bad byte and its offset, unless ``path`` is UTF-8 text."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            chunk, pending = f.read(1 << 20), len(decoder.getstate()[0])  # pending: bytes of a split character
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:  # e.object: the pending bytes, then the chunk
+                raise DataError(f"{key}: {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                                f"{offset - pending + e.start}); posbench reads text as UTF-8: convert the file, e.g. iconv -f "
+                                "latin1 -t utf-8 <file> > <file>.txt, and give the converted copy") from None
+            if not chunk:
+                return
+            offset += len(chunk)
 
 
 def text_files(train_files: list[str], validation_files: list[str], test_files: list[str], **_) -> dict[str, list[Path]]:

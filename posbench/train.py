@@ -7,8 +7,10 @@ and ``results.csv``. Batches are random crops of L + 1 tokens from the train mem
 (seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training state
 (``resume=auto``, the default) sees the same batches and, on CPU with the same thread count, produces
 bit-identical losses. Under torchrun the loop runs DDP; rank 0 alone writes. Per-step metrics go to
-``metrics.jsonl`` (and wandb); SIGTERM or SIGUSR2 saves a checkpoint and exits with :data:`EXIT_PREEMPTED`; a
+``metrics.jsonl`` (and wandb); a
 non-finite loss or gradient stops the run, marked failed.
+SIGTERM, SIGUSR2 or Ctrl-C saves a checkpoint at the end of the running step and exits (75 or 130:
+posbench/signals.py); a re-run of the same command resumes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from posbench import build, checkpoint, dist, results
 from posbench.config import to_dict
+from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.tracking import Tracker
@@ -38,8 +40,6 @@ from posbench.train_job import TrainJob
 from posbench.training_state import Progress, TrainingStates
 
 log = logging.getLogger("posbench")
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR2 after saving a checkpoint; re-run to resume
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # a scheduler's stop, and SLURM's warning (--signal=USR2@…)
 
 
 class TrainingFailed(RuntimeError):
@@ -47,7 +47,12 @@ class TrainingFailed(RuntimeError):
 
 
 class Preempted(Exception):
-    """SIGTERM or SIGUSR2 arrived; a checkpoint was saved. The CLI exits with EXIT_PREEMPTED."""
+    """SIGTERM, SIGUSR2 or SIGINT arrived and a checkpoint was saved. The CLI exits with ``exit_status``
+    (75, or 130 for Ctrl-C: posbench/signals.py)."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,9 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     Raises:
         posbench.checkpoint.CheckpointError: the run folder cannot take a checkpoint.
         TrainingFailed: a non-finite loss or gradient (the step is in the message).
-        Preempted: SIGTERM or SIGUSR2 arrived and a checkpoint was saved (for SIGUSR2 a handler installed
-            before, such as submitit's, is called first: it may requeue the job and exit instead).
+        Preempted: SIGTERM, SIGUSR2 or SIGINT (Ctrl-C) arrived and a checkpoint was saved (for SIGUSR2 a handler
+            installed before, such as submitit's, is called first: it may requeue the job and exit instead).
+        KeyboardInterrupt: a second Ctrl-C, while the first one's step was still running (no checkpoint).
     """
     cfg, t, e, out_dir = job.config, job.config.train, job.config.eval, job.run_dir
     tracker, config = tracker or Tracker(False, out_dir, ""), to_dict(cfg)
@@ -84,14 +90,14 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", cfg.scheme.name,
              f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
              proc.device, proc.threads, job.corpus.root)
-    with stop_signals() as (received, previous):
-        if Loop(job, model, optimizer, states, proc, tracker).run(progress, received):  # a stop signal reached a rank
+    with StopSignals() as stop:
+        if Loop(job, model, optimizer, states, proc, tracker).run(progress, stop):  # a stop signal reached a rank
             states.save(progress, model, optimizer)
-            signum, frame = received[0] if received else (signal.SIGTERM, None)  # (another rank's signal)
-            if signum == signal.SIGUSR2 and callable(previous[signum]):  # the handler there first (submitit's
-                previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
+            signum, frame = stop.received[0] if stop.received else (signal.SIGTERM, None)  # (another rank's signal)
+            if signum == signal.SIGUSR2 and callable(stop.previous[signum]):  # the handler there first (submitit's
+                stop.previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
             raise Preempted(f"{signal.Signals(signum).name} at step {progress.step}: checkpoint saved in "
-                            f"{out_dir / checkpoint.STATES}; re-run the same command to resume")
+                            f"{out_dir / checkpoint.STATES}; re-run the same command to resume", exit_status(signum))
     wall = progress.elapsed()
     if (progress.resumed_from or 0) < t.steps:
         states.save(progress, model, optimizer)
@@ -124,19 +130,6 @@ def start_process(device: str, threads: int | None, seed: int) -> Process:
     return Process(dist.rank(), dist.world(), where, n)
 
 
-@contextmanager
-def stop_signals():
-    """While the loop runs, SIGTERM and SIGUSR2 are noted, to be acted on at the next host sync: yields (the signals
-    received, as (number, frame), and the handlers that were installed before), and puts those back at the end."""
-    received = []
-    previous = {s: signal.signal(s, lambda *sig: received.append(sig)) for s in STOP_SIGNALS}
-    try:
-        yield received, previous
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 class Loop:
     """The training steps of one process, from a run's :class:`~posbench.training_state.Progress` to
     ``train.steps``: the step function, one host sync every ``train.sync_every`` steps (1 on CPU, 16 on CUDA by
@@ -151,7 +144,7 @@ class Loop:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=proc.device.type == "cuda")
         self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
 
-    def run(self, progress: Progress, received: list) -> bool:
+    def run(self, progress: Progress, stop: StopSignals) -> bool:
         """Train from ``progress.step`` (updated in place) to ``train.steps``. Returns True when a stop signal
         reached some rank (seen at a host sync, after which no step ran), False when every step ran.
         Raises TrainingFailed at a non-finite loss or gradient."""
@@ -162,18 +155,19 @@ class Loop:
                 dynamic_ncols=True) as bar:
             for i in range(progress.step, t.steps):
                 window.append(self.step(i))
+                stop.step_ended()
                 progress.step, progress.tokens = i + 1, progress.tokens + t.batch_size * t.seq_len * self.proc.world
                 due = bool(t.checkpoint_every) and progress.step % t.checkpoint_every == 0 and progress.step < t.steps
                 if len(window) < sync_every and not due and progress.step < t.steps:
                     continue
-                losses, norms, stop = sync_steps([w[2] for w in window], [w[3] for w in window], bool(received))
+                losses, norms, halt = sync_steps([w[2] for w in window], [w[3] for w in window], bool(stop.received))
                 tok_s = (progress.tokens - tokens0) / (time.perf_counter() - progress.started)
                 synced = [(s, lr, loss, norm) for (s, lr, _, _), loss, norm in zip(window, losses, norms)]
                 self.log(synced, tok_s, metrics, logged)
                 progress.loss, window = losses[-1], []
                 bar.set_postfix(loss=f"{progress.loss:.3f}", lr=f"{synced[-1][1]:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 bar.update(progress.step - bar.n)
-                if stop:
+                if halt:
                     return True
                 if due:
                     self.states.save(progress, self.model, self.optimizer)

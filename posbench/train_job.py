@@ -19,8 +19,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from posbench import build, data
+from posbench import build, data, memory
 from posbench.config import ConfigError, finalize, to_dict
+from posbench.device import resolve_device
 from posbench.evaluate import span
 from posbench.schemes import variant_label
 from posbench.training_state import resume_state
@@ -55,14 +56,31 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
     """The job of the composed config ``cfg`` (finalized in place), in ``run_dir`` when it is known.
 
     Raises:
-        ConfigError: a bad value (``posbench.config.finalize``), splits too short for the lengths, or a training
-            state in ``run_dir`` the run cannot resume (:func:`posbench.training_state.resume_state`).
+        ConfigError: a bad value (``posbench.config.finalize``), splits too short for the lengths, a step that
+            cannot fit in the device's memory (:func:`check_memory`), or a training state in ``run_dir`` the run
+            cannot resume (:func:`posbench.training_state.resume_state`).
         posbench.data.DataError: unusable data.
     """
     finalize(cfg)
     corpus = prepare_data(cfg)
     job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size))
+    check_memory(job)
     return job if run_dir is None else in_folder(job, run_dir)
+
+
+def check_memory(job: TrainJob) -> None:
+    """Raise ConfigError when a training step, or the evaluation's forward pass at the longest length, needs more
+    memory than the training device has available now (estimated by posbench/memory.py; the message gives both)."""
+    t, e, device = job.config.train, job.config.eval, resolve_device(job.config.train.device)
+    longest = max(e.lengths)
+    try:
+        memory.check_fits(job.spec, t.batch_size, t.seq_len, memory.kernel_for(job.spec["scheme"]["name"], device, True,
+                          job.config.model.dropout), device, f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
+        memory.check_fits(job.spec, max(1, e.batch_tokens // longest), longest, memory.kernel_for(
+            job.spec["scheme"]["name"], device, False), device, f"eval.lengths (up to {longest}) × eval.batch_tokens="
+            f"{e.batch_tokens}", training=False)
+    except memory.MemoryTooSmall as err:
+        raise ConfigError(str(err)) from None
 
 
 def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:

@@ -12,8 +12,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "disabled"
 
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -64,6 +66,15 @@ def trained_run(run_cli, data_cache, tmp_path_factory) -> Path:
     proc = run_cli("train", "debug=fast", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, f"debug=fast run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return run_dir
+
+
+@pytest.fixture
+def existing_run(trained_run, tmp_path) -> Path:
+    """A private copy of the finished debug=fast run (4 steps, states and checkpoint.pt) to point commands at."""
+    run = tmp_path / "existing"
+    shutil.copytree(trained_run, run)
+    time.sleep(0.02)  # a rewrite from now on gets a later mtime
+    return run
 
 
 @pytest.fixture

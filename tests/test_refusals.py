@@ -15,8 +15,6 @@ import hashlib
 import json
 import math
 import re
-import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -33,15 +31,6 @@ def snapshot(folder: Path) -> dict:
         digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
         out[str(p.relative_to(folder))] = (st.st_mtime_ns, st.st_size if p.is_file() else 0, digest)
     return out
-
-
-@pytest.fixture
-def existing_run(trained_run, tmp_path) -> Path:
-    """A private copy of the finished debug=fast run (4 steps, states and checkpoint.pt) to point commands at."""
-    run = tmp_path / "existing"
-    shutil.copytree(trained_run, run)
-    time.sleep(0.02)  # a rewrite from now on gets a later mtime
-    return run
 
 
 def refused(proc, run_dir: Path, before: dict) -> str:

@@ -250,6 +250,32 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_finishes(cache, tmp_path):
     assert (run / checkpoint.NAME).exists()
 
 
+def test_ctrl_c_saves_a_checkpoint_exits_130_and_the_rerun_resumes_bit_identically(cache, uninterrupted, tmp_path):
+    """Ctrl-C (SIGINT) as SIGTERM, with the shell's status for an interrupted command (130 = 128 + SIGINT): the
+    step ends, a state is saved, and the same command resumes to the same losses, perplexities and weights as
+    the run that was never interrupted."""
+    run = tmp_path / "run"
+    proc = start(run, cache, *RESUME)
+    wait_until(proc, lambda: len(rows(run)) >= 6, "six steps")  # past the checkpoint at step 4
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(TIMEOUT) == 130, output(run)
+    stopped = steps_of(run)[-1]
+    assert 6 <= stopped < 16 and valid_states(run)[-1] == stopped
+    assert f"SIGINT at step {stopped}: checkpoint saved" in output(run)
+    assert "Traceback" not in output(run) and "KeyboardInterrupt" not in output(run)
+    assert not (run / "posbench.lock").exists()  # released on the way out
+
+    again = cli(run, cache, *RESUME)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from the checkpoint at step {stopped}" in again.stdout + again.stderr
+    a = uninterrupted.result()
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows(run)] == \
+           [(r["step"], r["loss"], r["grad_norm"]) for r in rows(a)]
+    res_a, res_b = (json.loads((r / "results.json").read_text()) for r in (a, run))
+    assert [r["ppl"] for r in res_b["results"]] == [r["ppl"] for r in res_a["results"]]
+    assert res_b["param_sha256"] == res_a["param_sha256"] and res_b["resumed_from"] == stopped
+
+
 # ---- 3. a corrupt newest checkpoint: fall back to the previous one ---------------------------------
 
 

@@ -1,0 +1,167 @@
+"""Every job of a ``posbench train`` or ``posbench eval`` command line, composed and prepared before Hydra starts.
+
+:func:`prepare_all` expands the command line's sweep (the experiment's declared sweep included), composes each
+job's config with Hydra's compose API and prepares it (posbench/train_job.py, posbench/eval_job.py: values checked
+and resolved once, data prepared into its cache, a single run's resume state found, an evaluation's model loaded),
+checks that the folders the jobs will write can be written, and takes a single training run's folder lock
+(posbench/runlock.py). The first bad job stops everything with :class:`Refused`, one line, before any folder is
+made or touched; the CLI (posbench/cli.py) prints it and exits 2. Hydra's tasks then find their prepared job with
+:func:`job_for`.
+
+    prepare_all(["scheme=alibi", "train.seq_len=64"], "train")   # raises Refused
+    job = job_for(cfg, train_job.prepare)                          # in Hydra's task: cfg is Hydra's composed config
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import MissingConfigException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from posbench import dist, eval_job, runlock, train_job
+from posbench.config import ConfigError, eval_schema, scheme_of
+from posbench.data import DataError
+from posbench.schemes import SCHEMES
+
+CONFIG_MODULE = "posbench.conf"
+PREPARED: dict[str, object] = {}  # the composed job config (YAML) → its prepared job, made by prepare_all
+
+
+class Refused(Exception):
+    """A job the command line asks for cannot run; the message is one line naming the value and the fix."""
+
+
+def one_line(err: Exception) -> str:
+    """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices."""
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, name = err.missing_cfg_file.rsplit("/", 1)
+        return f"unknown {group} {name!r}; choose one of: {', '.join(err.options or [])}"
+    while err.__cause__ is not None:
+        err = err.__cause__
+    key = getattr(err, "full_key", None)
+    text = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        scheme = scheme_of(getattr(err, "object_type", None))
+        if getattr(err, "object_type", None) is eval_schema().__dataclass_fields__["scheme"].type:
+            what = "cannot change the run's scheme" if key == "scheme.name" else "knows no scheme with that option"
+            return (f"{key}: posbench eval {what}; it takes options of the run's scheme only "
+                    f"(see them with: posbench train scheme=<name> --cfg job)")
+        if scheme is not None:
+            options = ", ".join(SCHEMES[scheme].options()) or "none"
+            return f"{key} is not an option of the {scheme} scheme; its options: {options}"
+        return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
+    if key and "could not be converted" in text:
+        return f"{key}: {text.replace('Value', 'value', 1)}"
+    return f"{key}: {text}" if key else text
+
+
+def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:
+    """The override lists of every job the command line asks for (sweeps expanded, the config's own too)."""
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    if not multirun:
+        return [overrides]
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    declared = compose(config_name, overrides=fixed, return_hydra_config=True).hydra.sweeper.params or {}
+    given = {o.key_or_group for o in parsed}
+    parsed += parser.parse_overrides([f"{k}={v}" for k, v in declared.items() if k not in given])
+    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+            for o in parsed]
+    return [list(c) for c in itertools.product(*axes)]
+
+
+def key_of(cfg: DictConfig) -> str:
+    """What identifies a job: its composed config (without Hydra's node), as YAML."""
+    return OmegaConf.to_yaml(cfg)
+
+
+def job_for(cfg: DictConfig, prepare):
+    """The job :func:`prepare_all` prepared for Hydra's composed ``cfg`` in this process, or, in a sweep's worker
+    process, ``prepare(cfg)``. (Hydra's tasks reach :data:`PREPARED` only through here: a joblib worker receives a
+    task function pickled by value, with the globals it names, and must not receive the prepared jobs.)"""
+    return PREPARED.get(key_of(cfg)) or prepare(cfg)
+
+
+def prepare(config_name: str, cfg: DictConfig, multirun: bool):
+    """(the key Hydra's task will find it by, the prepared job, the folder it writes in) of the composed ``cfg``,
+    Hydra's node popped first. A single training run's job carries the training state of its run folder; a sweep's
+    jobs look theirs up in their Hydra tasks, once Hydra has named their folders (the folder here: the sweep's)."""
+    with open_dict(cfg):
+        hydra_cfg = cfg.pop("hydra")
+    key = key_of(cfg)
+    if config_name == "eval":
+        job = eval_job.prepare(cfg)
+        return key, job, job.run_dir
+    folder = Path(os.path.abspath(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
+    return key, train_job.prepare(cfg, None if multirun else folder), folder
+
+
+def writable(folder: Path, fix: str) -> None:
+    """Raise ConfigError unless ``folder``, or the nearest of its parents that exists, can be written to (by
+    permissions, and not on a read-only file system); nothing is written to find out. ``fix``: what to do instead,
+    the message's end."""
+    folder = Path(os.path.abspath(folder))
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"cannot make the folder {folder}: {existing} is a file; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        where = "" if existing == folder else f", where {folder} would go"
+        raise ConfigError(f"cannot write to {existing} (a read-only file system, or no permission){where}; {fix}")
+
+
+WRITE_FIX = {"eval": "copy the run folder somewhere writable and evaluate the copy",
+             False: "choose a writable run folder with hydra.run.dir=DIR", True: "choose a writable sweep folder with "
+             "hydra.sweep.dir=DIR"}
+MODES = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-r", "--run", "-sc", "--shell-completion"}  # Hydra: one
+
+
+def prepare_all(argv: list[str], config_name: str) -> None:
+    """Compose and prepare every job of ``argv`` (values checked and resolved, data prepared into its cache and
+    the splits' sizes checked, a single run's resume state found or refused, an evaluation's model loaded), check
+    that their folders can be written, take a single training run's folder lock (posbench/runlock.py), keep each
+    job in :data:`PREPARED` for Hydra's job, and set ``POSBENCH_SWEPT``. Raises Refused on the first bad one."""
+    flags = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
+    if len(set(flags) & MODES) > 1:
+        raise Refused(f"{' and '.join(sorted(set(flags) & MODES))} cannot be combined (Hydra runs one mode at a time); to see "
+             f"one job's config, drop -m: posbench {config_name} <overrides> --cfg job")
+    if any(f not in ("-m", "--multirun") for f in flags):
+        return  # --cfg, --help, --info ...: Hydra's own business
+    overrides = [a for a in argv if not a.startswith("-")]
+    PREPARED.clear()
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            jobs = expand(overrides, bool(flags), config_name)
+            for job in jobs:
+                key, prepared, folder = prepare(config_name, compose(config_name, overrides=job,
+                                                                      return_hydra_config=True), bool(flags))
+                writable(folder, WRITE_FIX[config_name if config_name == "eval" else bool(flags)])
+                PREPARED[key] = prepared
+    except (ConfigError, DataError) as e:
+        raise Refused(str(e)) from None
+    except Exception as e:  # Hydra / OmegaConf composition errors
+        raise Refused(one_line(e)) from None
+    if config_name == "train" and not flags:
+        lock(folder)
+    swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
+    os.environ["POSBENCH_SWEPT"] = ",".join(sorted(swept))  # the run name of each job: its swept overrides
+
+
+def lock(run_dir: Path) -> None:
+    """Take the lock of a training run's folder on rank 0. Raises Refused, on every rank, when another process
+    holds it or the folder cannot be made."""
+    def take() -> str:
+        try:
+            runlock.acquire(run_dir)
+        except (runlock.FolderInUse, OSError) as e:
+            return str(e) if isinstance(e, runlock.FolderInUse) else f"cannot make the run folder {run_dir}: {e}"
+        return ""
+
+    message = dist.broadcast(take() if dist.rank() == 0 else "")
+    if message:
+        raise Refused(message)

@@ -1,0 +1,280 @@
+"""Memory a run needs, estimated before it starts: one training step, or one evaluation forward pass, in bytes.
+
+A run whose step cannot fit (``train.seq_len=100000`` on model=tiny: terabytes) should be refused with the figure,
+not left to swap for hours. The job knows the model spec, the batch, the length and the device before it builds
+anything; this module turns them into a byte count and compares it with what the device can give now:
+
+    kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # "causal", "folded", "dense" or "flex"
+    parts = step_bytes(spec, batch_size=16, seq_len=128, kernel=kernel)    # {"weights": …, …, "total": …} bytes
+    free, what = available_bytes("cpu")                                    # (bytes, "MemAvailable of /proc/meminfo")
+    check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
+
+What is counted (B batch, T length, L layers, D width, H heads, Dh = D/H, F MLP width, V vocabulary, P parameters,
+b = ``dtype_bytes``; every figure is in bytes):
+
+* weights: P·b (tied embeddings once; the scheme's parameters included, counted on the meta device).
+* optimizer (training): gradients and AdamW's two moments, 3·P·b. Gradients are counted although they are None
+  during the forward pass (``zero_grad(set_to_none=True)``), so this part overcounts the peak by up to P·b.
+* activations: what autograd keeps for backward, counted from posbench/model.py, per layer and token:
+  LayerNorm inputs 2·D, the inputs of qkv, proj and mlp.0 3·D, the qkv output 3·D, rotated q and k 2·D,
+  the attention output D, the MLP's GELU input and output 2·F — 11·D + 2·F values, plus 4 floats of LayerNorm
+  statistics; and ln_f's input and output (2·D). Evaluation keeps nothing: one layer's live tensors, 9·D + 2·F.
+  For comparison, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+  §4.1) count s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit with dropout. Without dropout (its masks,
+  2·sbh + a·s²·b bytes, and the dropped probabilities, 2·a·s²·b) that is 16·sbh + a·s²·b values, 64·sbh +
+  4·a·s²·b bytes in fp32; this count has 19·sbh values (F = 4·D: 76·sbh bytes; the three more are the rotated
+  q and k and SDPA's output beside its reshaped copy) and the a·s²·b of the dense kernel's probabilities below.
+* attention, what the kernel keeps per layer beyond that (posbench/attention.py):
+  ``causal`` and ``flex``: the fused kernels' log-sum-exp, B·H·T float32 values.
+  ``folded`` (training): q' and v' with the extra dimension, the outputs, and each query block's own key
+  copy k' of the keys before it: B·H·(Dh + 1)·(3·T + Σ_blocks end) values, quadratic in T: Σ end ≈ T²/512.
+  ``dense``: the bias blocks (H, Q, end) hold Σ_blocks Q·end ≈ T²/2 "pairs". When the bias needs a gradient
+  (T5, KERPLE, FIRE: learned parameters) SDPA runs its math path and keeps each layer's probabilities,
+  B·H·pairs values, plus three copies of q, k, v and, while one block is computed, two more block-sized
+  tensors (the scores beside the probabilities; in backward the gradients of both); the graph that built the
+  bias keeps what its ops save, measured here per pair by building one small block under
+  ``saved_tensors_hooks`` (once per forward pass when the whole mask fits in ``BIAS_ELEMENTS``, else once per
+  layer). A bias without gradient (Sandwich) goes to SDPA's fused kernel, which keeps the mask blocks themselves
+  (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with dropout, a fused kernel may take the
+  learned bias too, and this part then overcounts.)
+  Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
+* logits: float32 whatever ``dtype_bytes``. On CPU in float32 (HeadNLL, posbench/model.py): the (B·T, V)
+  gradient buffer in training, one 4 MiB chunk of logits in evaluation. Elsewhere (or with no device given) two
+  (B·T, V) buffers: the float32 logits and log_softmax's output (in backward, their gradients).
+
+Not counted: the batch of token ids, the corpus, Python and torch themselves (~300 MB of RSS), CUDA's context,
+torch.compile's buffers and code, DDP's gradient buckets, attention dropout's masks, autocast's mix of float32
+weights and 16-bit activations (pass ``dtype_bytes=4`` for an upper bound), and the allocator's fragmentation and
+caching: glibc keeps freed heap blocks, so RSS can exceed the live tensors (FIRE's bias, built from many 4 MiB
+temporaries: 1.23 GB of RSS after a forward pass at B=2, T=1024 for 0.40 GB of live tensors).
+
+Measured (tests/test_memory.py: model=tiny, 2 CPU threads, fp32; the RSS one step adds over a warmed-up process,
+against the estimate less the weights): rope training B=4 × T=1024 280–292 MiB, estimated 236; t5 (dense)
+training B=2 × T=1024 304–332 MiB, estimated 354; rope evaluation B=32 × T=1024 190 MiB, estimated 277. Once, not
+warmed up: t5 training B=1 × T=4096 (four query blocks) 1348 MiB, estimated 1451; alibi (folded) training
+B=2 × T=4096 580 MiB, estimated 646.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from posbench import attention
+from posbench.config import DEFAULT_SCHEME, ModelConfig
+from posbench.model import GPT
+from posbench.schemes import SCHEMES
+
+GiB = 1 << 30
+LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activations' dtype
+LOGIT_BYTES = 4  # the model computes the loss from float32 logits whatever autocast does (posbench/model.py)
+BLOCK_TEMPORARIES = 2  # dense, math path: block-sized tensors alive while one block is computed (see docstring)
+HEAD_CHUNK = 1 << 20  # CPU evaluation: HeadNLL's chunk of logits, in values (posbench/model.py: 4 MiB of float32)
+
+
+class MemoryTooSmall(ValueError):
+    """The estimated memory of a step exceeds what the device can give; the message is one line with both."""
+
+
+def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_bytes: int = 4,
+               training: bool = True, device: torch.device | str | None = None) -> dict[str, int]:
+    """The estimated peak memory, in bytes, of one training step (forward, loss, backward, AdamW step) or, with
+    ``training=False``, of one evaluation forward pass of the model ``spec`` describes, on a batch of
+    ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) on ``device`` (only
+    the logits depend on it: None counts CUDA's, the larger). See the module docstring for what each part counts.
+    Returns {"weights", "optimizer", "activations", "attention", "logits", "total"} in bytes."""
+    m = _model_sizes(spec)
+    params = parameter_count(spec, seq_len)
+    parts = {
+        "weights": params * dtype_bytes,
+        "optimizer": 3 * params * dtype_bytes if training else 0,  # gradients, AdamW's exp_avg and exp_avg_sq
+        "activations": _activation_bytes(m, batch_size, seq_len, dtype_bytes, training),
+        "attention": _attention_bytes(spec, m, batch_size, seq_len, kernel, dtype_bytes, training),
+        "logits": _logit_bytes(batch_size * seq_len, spec["vocab_size"], device, dtype_bytes, training),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def available_bytes(device: torch.device | str) -> tuple[int, str]:
+    """(bytes ``device`` can give a run now, what was measured). CUDA: the free bytes of
+    ``torch.cuda.mem_get_info``. Any other device uses host memory: MemAvailable of /proc/meminfo (physical
+    memory from ``os.sysconf`` where there is none), or a cgroup's remaining limit where that is smaller."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
+    host = _meminfo_available() or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
+    limit = _cgroup_free()
+    return limit if limit and limit[0] < host[0] else host
+
+
+def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str, device: torch.device | str, what: str,
+               training: bool = True, dtype_bytes: int = 4) -> None:
+    """Raise :class:`MemoryTooSmall` when :func:`step_bytes` exceeds :func:`available_bytes` of ``device``.
+
+    ``what`` leads the message and names the settings to lower, e.g. "train.seq_len=100000 × train.batch_size=16"
+    (keys joined by " × ")."""
+    parts = step_bytes(spec, batch_size, seq_len, kernel, dtype_bytes, training, device)
+    free, source = available_bytes(device)
+    if parts["total"] <= free:
+        return
+    largest = sorted((k for k in parts if k != "total"), key=parts.get, reverse=True)[:3]
+    detail = ", ".join(f"{k} {_size(parts[k])}" + (f" with the {kernel} kernel" if k == "attention" else "")
+                       for k in largest)
+    keys = " or ".join(part.split("=")[0].strip() for part in what.split("×"))
+    step = "a training step" if training else "an evaluation forward pass"
+    raise MemoryTooSmall(f"{what}: {step} needs about {_size(parts['total'])} ({detail}), and this machine has "
+                         f"{_size(free)} available ({source}); lower {keys}")
+
+
+def kernel_for(scheme_name: str, device: torch.device | str, training: bool, dropout: float = 0.0) -> str:
+    """The attention kernel ``posbench.attention.choose_kernel`` picks for the scheme registered as
+    ``scheme_name`` on ``device``, training (gradients on, CUDA under bfloat16 autocast) or evaluating (float32,
+    no dropout). It reads the scheme's class attributes only, so no scheme is built."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" and training else torch.float32
+    return attention.choose_kernel(SCHEMES[scheme_name], device, dtype, dropout if training else 0.0, training)
+
+
+def parameter_count(spec: dict, seq_len: int) -> int:
+    """Parameters of the model ``spec`` describes (tied embeddings once), built on the meta device: no memory, no
+    random numbers drawn. A scheme option still None is filled from ``seq_len`` (the learned table: 16 × L)."""
+    m = _model_sizes(spec)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"],
+                    _scheme(spec, m, seq_len))
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------
+
+
+def _activation_bytes(m: dict, B: int, T: int, b: int, training: bool) -> int:
+    """Saved for backward (training) or alive in one layer (evaluation), per the module docstring."""
+    D, F = m["d_model"], m["d_ff"]
+    if not training:
+        return B * T * (9 * D + 2 * F) * b
+    per_layer = (11 * D + 2 * F + 4) * b  # per token
+    return B * T * (m["n_layer"] * per_layer + 2 * D * b)
+
+
+def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
+    """The head and loss over N = B·T targets, per the module docstring."""
+    if device is not None and torch.device(device).type == "cpu" and b == 4:  # HeadNLL (posbench/model.py)
+        return N * V * LOGIT_BYTES if training else min(N * V, HEAD_CHUNK) * LOGIT_BYTES + N * LOGIT_BYTES
+    return 2 * N * V * LOGIT_BYTES  # (N, V): log_softmax's output and the float32 logits (their gradient)
+
+
+def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool) -> int:
+    """The kernel's own part, per the module docstring."""
+    L, H, D = m["n_layer"], m["n_head"], m["d_model"]
+    lse = B * H * T * LSE_BYTES  # (B, H, T) per layer
+    if kernel in ("causal", "flex"):
+        return L * lse if training else lse
+    if kernel == "folded":
+        Dh1 = D // H + 1
+        if not training:
+            return 4 * B * H * T * Dh1 * b + lse  # q', k', v', y: (B, H, T, Dh+1)
+        keys = sum(e for _, e in _fold_blocks(T))  # Σ end: the keys copied for each query block
+        return L * (B * H * Dh1 * (3 * T + keys) * b + lse)
+    if kernel == "dense":
+        return _dense_bytes(spec, m, B, T, b, training)
+    raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(attention.KERNELS)}")
+
+
+def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool) -> int:
+    """Dense kernel: per layer the probabilities (math path) or the masks (fused path), plus the bias's graph."""
+    L, H, D = m["n_layer"], m["n_head"], m["d_model"]
+    blocks = attention._dense_blocks(T, H)  # [(start, end)]
+    pairs = sum((e - s) * e for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·end
+    block = max((e - s) * e for s, e in blocks)  # the largest block's pairs
+    once = H * T * T <= attention.BIAS_ELEMENTS  # the masks are built once per forward pass, else once per layer
+    mask = H * (pairs if once else block) * b  # masks alive at once (evaluation, or the forward pass)
+    if not training:
+        return 2 * mask + B * H * T * LSE_BYTES
+    per_pair, needs_grad = _bias_graph(spec, m, T)
+    graph = int(per_pair * pairs) * (1 if once else L)
+    if not needs_grad:  # fused SDPA keeps each layer's masks (shared when built once) and log-sum-exp
+        return H * pairs * b * (1 if once else L) + L * B * H * T * LSE_BYTES
+    probs = L * (B * H * pairs + 3 * B * T * D) * b  # softmax output (B, H, Q, end) per block; q, k, v copies
+    return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
+
+
+def _bias_graph(spec: dict, m: dict, T: int) -> tuple[float, bool]:
+    """(bytes autograd keeps per (query, key) pair while building a dense bias block, whether the bias needs a
+    gradient), measured on one small block: queries 32…63 against keys 0…63 of a scheme built on the CPU."""
+    if not SCHEMES[(spec.get("scheme") or {}).get("name", DEFAULT_SCHEME)].has_bias:
+        return 0.0, False  # no bias to build (and a learned table is not built for nothing)
+    with torch.random.fork_rng(devices=[]):
+        scheme = _scheme(spec, m, T)
+    saved: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[(t.untyped_storage().data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bias = attention.dense_mask(scheme, torch.arange(64), m["n_head"], 32, 64, torch.float32)  # (H, 32, 64)
+    n = 32 * 64
+    kept = sum(size for (_, numel), size in saved.items() if numel >= n)  # the tensors that grow with the block
+    return kept / n, bias.requires_grad
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+
+def _model_sizes(spec: dict) -> dict:
+    """The spec's model section over ModelConfig's defaults (as posbench.build.build_model reads it)."""
+    defaults = {k: v for k, v in vars(ModelConfig()).items() if k != "name"}
+    return {**defaults, **spec.get("model", {})}
+
+
+def _scheme(spec: dict, m: dict, seq_len: int):
+    """The scheme of ``spec``, built on the current default device, its unset options filled from ``seq_len``."""
+    options = dict(spec.get("scheme") or {})
+    cls = SCHEMES[options.pop("name", DEFAULT_SCHEME)]
+    config = cls.make_config(**options)
+    config.fill(seq_len)
+    return cls(m["d_model"], m["n_head"], config)
+
+
+def _fold_blocks(T: int) -> list[tuple[int, int]]:
+    """The folded kernel's query blocks (posbench/attention.py ``context``)."""
+    return [(s, min(T, s + attention.FOLD_QUERIES)) for s in range(0, T, attention.FOLD_QUERIES)]
+
+
+def _meminfo_available() -> tuple[int, str] | None:
+    """(MemAvailable in bytes, its source) from /proc/meminfo, or None where the file or line is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable of /proc/meminfo"  # the file says kB
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_free() -> tuple[int, str] | None:
+    """(this cgroup's limit minus its usage, in bytes, its source) for cgroup v2 or v1, or None without a limit."""
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap, used = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:
+            return max(0, int(cap) - used), f"cgroup limit {limit}"
+    return None
+
+
+def _size(n: float) -> str:
+    """Bytes as MiB, GiB or TiB with one decimal."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / (1 << 20):.1f} MiB"

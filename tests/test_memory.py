@@ -1,0 +1,172 @@
+"""posbench/memory.py against measurement and independent formulas: the peak RSS of a real training step in a fresh
+process, the quadratic growth of the dense kernel's attention, the refusal message, and the host's memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posbench import memory
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+TINY = {"n_layer": 4, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "scale_embeddings": True}
+V = 4096
+
+
+def tiny(scheme: str) -> dict:
+    return {"vocab_size": V, "model": dict(TINY), "scheme": {"name": scheme}}
+
+
+# One step in a fresh process: the RSS the step adds at its peak over the process's RSS after imports, model,
+# optimizer and batch. The peak is VmHWM of /proc/self/status, reset first by writing 5 to /proc/self/clear_refs
+# (ru_maxrss would not do: Linux keeps it across fork and exec, so it starts at the parent's size, pytest's).
+STEP = """
+import json, re, sys, torch
+torch.set_num_threads(2)
+from posbench.build import build_model
+scheme, B, T, training = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "train"
+
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+model = build_model({"vocab_size": 4096, "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "d_ff": 512},
+                     "scheme": {"name": scheme}}).train(training)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.zeros(1, 16, dtype=torch.long), targets=torch.zeros(1, 16, dtype=torch.long)).sum().backward()
+optimizer.zero_grad(set_to_none=True)  # a warm-up: torch's one-time set-up (thread pool, kernels) is not the step's
+x, y = torch.randint(4096, (B, T)), torch.randint(4096, (B, T))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark starts again from the current RSS
+before, high_before = status("VmRSS"), status("VmHWM")
+if training:
+    loss = model(x, targets=y).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+else:
+    with torch.no_grad():
+        model(x, targets=y)
+print(json.dumps({"before": before, "high_before": high_before, "peak": status("VmHWM")}))
+"""
+
+
+def measured_step(scheme: str, B: int, T: int, mode: str) -> int:
+    """Bytes of RSS one step adds at its peak, measured in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", STEP, scheme, str(B), str(T), mode], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["peak"] > r["high_before"], "the step did not raise the high-water mark: the measurement says nothing"
+    return r["peak"] - r["before"]
+
+
+@pytest.mark.parametrize("scheme, B, T, mode, kernel", [
+    ("rope", 4, 1024, "train", "causal"),  # measured ~300 MB, ~5 s on 2 cores
+    ("t5", 2, 1024, "train", "dense"),  # probabilities of 4 layers (128 MiB) dominate: ~330 MB, ~5 s
+    ("rope", 32, 1024, "eval", "causal"),  # no grad: one layer's tensors, ~200 MB, ~4 s
+])
+def test_estimate_within_factor_two_of_measured_peak(scheme, B, T, mode, kernel):
+    training = mode == "train"
+    assert memory.kernel_for(scheme, "cpu", training) == kernel
+    increase = measured_step(scheme, B, T, mode)
+    assert increase > 100 * 2**20, f"the step added only {increase / 2**20:.0f} MiB: too close to noise"
+    parts = memory.step_bytes(tiny(scheme), B, T, kernel, training=training, device="cpu")
+    needed = parts["total"] - parts["weights"]  # the weights are in the RSS before the step
+    print(f"{scheme} {mode} B={B} T={T}: measured {increase / 2**20:.0f} MiB, estimated {needed / 2**20:.0f} MiB")
+    assert 0.5 * increase <= needed <= 2 * increase, (increase, parts)
+
+
+def test_dense_attention_quadruples_with_doubled_length():
+    B, H, L = 2, TINY["n_head"], TINY["n_layer"]
+    spec = tiny("t5")
+    small, large = (memory.step_bytes(spec, B, T, "dense")["attention"] for T in (512, 1024))
+    assert 3.6 <= large / small <= 4.0, (small, large)  # T² terms, plus O(T) copies of q, k, v
+    for T, got in ((512, small), (1024, large)):  # one query block (H·T² ≤ 2^24): the full T × T square
+        # float32: the kept probabilities (one copy per layer), two block-sized temporaries, the (H, T, T) mask;
+        # the rest is O(T) copies of q, k, v and the bias's graph (T5: 9 bytes per pair)
+        expected = (B * H * T * T * (L + 2) + H * T * T) * 4
+        assert expected <= got <= 1.2 * expected, (T, got, expected)
+
+
+def test_dense_attention_counts_the_causal_triangle_at_long_lengths():
+    """Past one block the kernel builds only keys 0…end of each query block: about half the square per layer."""
+    B, H, L, T = 16, TINY["n_head"], TINY["n_layer"], 100_000
+    got = memory.step_bytes(tiny("t5"), B, T, "dense")["attention"]
+    triangle = B * H * T * T / 2 * L * 4
+    assert triangle <= got <= 1.1 * triangle, (got, triangle)
+
+
+def test_causal_attention_is_linear_in_length():
+    spec = tiny("rope")
+    a, b = (memory.step_bytes(spec, 16, T, "causal")["attention"] for T in (1000, 2000))
+    assert b == 2 * a
+
+
+def test_check_fits_refuses_a_long_run_with_the_figures(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    what = "train.seq_len=100000 × train.batch_size=16"
+    with pytest.raises(memory.MemoryTooSmall) as err:
+        memory.check_fits(tiny("rope"), 16, 100_000, "causal", "cpu", what)
+    message = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in message
+    assert message.startswith(what + ": a training step needs about ")
+    assert "24.0 GiB available (MemAvailable of /proc/meminfo)" in message
+    assert message.endswith("lower train.seq_len or train.batch_size")
+    # the figure: at least what the layers keep, L·B·T·(11·D + 2·F)·4 bytes, written independently here
+    needed = float(message.split("needs about ")[1].split(" GiB")[0]) * GiB
+    D, F = TINY["d_model"], TINY["d_ff"]
+    assert needed >= TINY["n_layer"] * 16 * 100_000 * (11 * D + 2 * F) * 4
+
+
+def test_check_fits_names_the_dense_kernel(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    with pytest.raises(memory.MemoryTooSmall, match=r"TiB \(attention [0-9.]+ TiB with the dense kernel"):
+        memory.check_fits(tiny("t5"), 16, 100_000, "dense", "cpu", "train.seq_len=100000 × train.batch_size=16")
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned"])
+def test_check_fits_passes_the_demo_size(monkeypatch, scheme):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    spec = tiny(scheme)
+    if scheme == "learned":
+        spec["scheme"]["max_positions"] = 16 * 128
+    memory.check_fits(spec, 16, 128, memory.kernel_for(scheme, "cpu", True), "cpu",
+                      "train.seq_len=128 × train.batch_size=16")
+
+
+def test_available_bytes_on_this_machine():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free, what = memory.available_bytes("cpu")
+    assert 0 < free <= physical
+    if Path("/proc/meminfo").exists():
+        assert "MemAvailable" in what or "cgroup" in what
+
+
+def test_available_bytes_falls_back_to_physical_memory(monkeypatch):
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
+    monkeypatch.setattr(memory, "_cgroup_free", lambda: None)
+    assert memory.available_bytes("cpu") == (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                                             "physical memory")
+
+
+def test_parameter_count_matches_the_built_model():
+    from posbench.build import build_model
+
+    for scheme in ("rope", "t5", "fire"):
+        spec = tiny(scheme)
+        assert memory.parameter_count(spec, 128) == sum(p.numel() for p in build_model(spec).parameters())
+    learned = {**tiny("learned"), "scheme": {"name": "learned", "max_positions": 2048}}
+    assert memory.parameter_count(learned, 128) - memory.parameter_count(tiny("rope"), 128) == 2048 * TINY["d_model"]
+
+
+def test_kernel_for_follows_the_attention_module():
+    assert memory.kernel_for("rope", "cpu", True) == "causal"
+    assert memory.kernel_for("alibi", "cpu", True) == "folded"
+    assert memory.kernel_for("t5", "cpu", True) == "dense"
+    assert memory.kernel_for("t5", "cuda", True, dropout=0.1) == "dense"
