@@ -45,8 +45,10 @@ def save(path: Path, model: torch.nn.Module, spec: dict, config: dict, tokenizer
     _atomic_save(path, state)
 
 
-def _atomic_save(path: Path, state: dict) -> str:
-    """torch.save to ``path`` via a temporary file, fsync and rename; return the file's SHA-256.
+def _atomic_save(path: Path, state: dict, checksum: bool = False) -> str:
+    """torch.save to ``path`` via a temporary file, fsync and rename; return the file's SHA-256. ``checksum``: write
+    it to ``<path>.sha256`` first, so that an interruption at any point (a second Ctrl-C, kill -9) leaves either
+    the new file with its checksum or no new file, never a file that reads as corrupt.
 
     Raises CheckpointError when the write fails (the previous file at ``path`` is left as it was)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -56,6 +58,10 @@ def _atomic_save(path: Path, state: dict) -> str:
             f.flush()
             os.fsync(f.fileno())
         digest = file_sha256(tmp)
+        if checksum:
+            side = path.with_name(path.name + ".sha256.tmp")
+            side.write_text(digest + "\n")
+            os.replace(side, path.with_name(path.name + ".sha256"))
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -79,10 +85,7 @@ def save_state(run_dir: Path, state: dict, keep: int) -> Path:
     folder = Path(run_dir) / STATES
     path = folder / f"step-{state['step']:08d}.pt"
     check_room(folder, sum(t.numel() * t.element_size() for t in _tensors(state)))
-    digest = _atomic_save(path, state)
-    tmp = path.with_name(path.name + ".sha256.tmp")
-    tmp.write_text(digest + "\n")
-    os.replace(tmp, path.with_name(path.name + ".sha256"))
+    _atomic_save(path, state, checksum=True)
     for old in sorted(folder.glob("step-*.pt"))[:-keep]:
         old.unlink()
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)

@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
         dist.finish(together=False)
-        print("posbench: interrupted (Ctrl-C); a training run resumes from its last saved state when the same "
-              "command is run again", file=sys.stderr)
+        print("posbench: interrupted (Ctrl-C); a training run resumes from its last saved state when run again in "
+              "the same folder (hydra.run.dir=<its folder>)", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
 
 

@@ -22,7 +22,7 @@ from posbench.schemes import variant_label
 from posbench.upgrade import upgrade
 
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
-           "train.checkpoint_every", "train.keep_checkpoints", "resume", "wandb.")  # never change a result
+           "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
 
 

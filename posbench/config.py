@@ -77,6 +77,7 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0  # steps between training checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest training checkpoints kept
+    check_memory: bool = True  # refuse a run whose estimated step memory exceeds what the device has free
     compile: bool = False  # torch.compile the model (no gain seen on CPU; falls back to eager on failure)
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 

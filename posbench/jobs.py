@@ -99,6 +99,8 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
         job = eval_job.prepare(cfg)
         return key, job, job.run_dir
     folder = Path(os.path.abspath(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
+    if not multirun and dist.rank() == 0:
+        runlock.check_free(folder)  # before its training states are read: another run may be writing them
     return key, train_job.prepare(cfg, None if multirun else folder), folder
 
 
@@ -134,6 +136,7 @@ def prepare_all(argv: list[str], config_name: str) -> None:
         return  # --cfg, --help, --info ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
     PREPARED.clear()
+    message, jobs, folder = "", [], None
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             jobs = expand(overrides, bool(flags), config_name)
@@ -142,10 +145,13 @@ def prepare_all(argv: list[str], config_name: str) -> None:
                                                                       return_hydra_config=True), bool(flags))
                 writable(folder, WRITE_FIX[config_name if config_name == "eval" else bool(flags)])
                 PREPARED[key] = prepared
-    except (ConfigError, DataError) as e:
-        raise Refused(str(e)) from None
+    except (ConfigError, DataError, runlock.FolderInUse) as e:
+        message = str(e)
     except Exception as e:  # Hydra / OmegaConf composition errors
-        raise Refused(one_line(e)) from None
+        message = one_line(e)
+    refused = [m for m in dist.gather(message) if m]  # torchrun: a rank's own refusal (its memory, its GPU) stops all
+    if refused:
+        raise Refused(refused[0])
     if config_name == "train" and not flags:
         lock(folder)
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}

@@ -260,16 +260,26 @@ def _meminfo_available() -> tuple[int, str] | None:
 def _cgroup_free() -> tuple[int, str] | None:
     """(this cgroup's limit minus its usage, in bytes, its source) for cgroup v2 or v1, or None without a limit."""
     v1 = "/sys/fs/cgroup/memory/memory."
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+    for limit, usage, stat, cache in (
+            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+            (v1 + "limit_in_bytes", v1 + "usage_in_bytes", v1 + "stat", "total_inactive_file")):
         try:
             with open(limit) as f, open(usage) as g:
                 cap, used = f.read().strip(), int(g.read())
         except (OSError, ValueError):
             continue
-        if cap.isdigit() and int(cap) < 1 << 60:
-            return max(0, int(cap) - used), f"cgroup limit {limit}"
+        if cap.isdigit() and int(cap) < 1 << 60:  # usage counts page cache; its inactive part is reclaimable (as
+            return max(0, int(cap) - used + _stat(stat, cache)), f"cgroup limit {limit}"  # docker stats reads it)
     return None
+
+
+def _stat(path: str, key: str) -> int:
+    """The value of ``key`` in a cgroup ``memory.stat`` file, in bytes; 0 when it is not there."""
+    try:
+        with open(path) as f:
+            return next((int(v) for k, v in (line.split() for line in f) if k == key), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _size(n: float) -> str:

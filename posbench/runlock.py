@@ -50,8 +50,7 @@ def acquire(run_dir: Path) -> None:
         except BlockingIOError:
             holder = os.read(fd, 256).decode(errors="replace").split() or ["?"]
             os.close(fd)
-            raise FolderInUse(f"{run_dir} is in use by another posbench process (pid {' on '.join(holder)}); wait "
-                              "for it to end, or choose another run folder (hydra.run.dir=...)") from None
+            raise FolderInUse(_in_use(run_dir, holder)) from None
         if path.exists() and path.stat().st_ino == os.fstat(fd).st_ino:
             break  # else its holder removed the file between our open and flock: lock the new one
         os.close(fd)
@@ -61,6 +60,27 @@ def acquire(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
     HELD[run_dir] = fd
+
+
+def check_free(run_dir: Path) -> None:
+    """Raise FolderInUse when another process holds the lock of ``run_dir``; create, take or change nothing (a
+    shared lock tried on the existing file, if any, and dropped)."""
+    path = Path(run_dir).resolve() / NAME
+    if Path(run_dir).resolve() in HELD or not path.exists():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 256).decode(errors="replace").split() or ["?"]
+        raise FolderInUse(_in_use(Path(run_dir).resolve(), holder)) from None
+    finally:
+        os.close(fd)
+
+
+def _in_use(run_dir: Path, holder: list[str]) -> str:
+    return (f"{run_dir} is in use by another posbench process (pid {' on '.join(holder)}); wait for it to end, or "
+            "choose another run folder (hydra.run.dir=...)")
 
 
 def release(run_dir: Path) -> None:

@@ -97,7 +97,8 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
             if signum == signal.SIGUSR2 and callable(stop.previous[signum]):  # the handler there first (submitit's
                 stop.previous[signum](signum, frame)  # requeues the SLURM task and exits): its turn, after the save
             raise Preempted(f"{signal.Signals(signum).name} at step {progress.step}: checkpoint saved in "
-                            f"{out_dir / checkpoint.STATES}; re-run the same command to resume", exit_status(signum))
+                            f"{out_dir / checkpoint.STATES}; to resume, run the same command with "
+                            f"hydra.run.dir={out_dir}", exit_status(signum))
     wall = progress.elapsed()
     if (progress.resumed_from or 0) < t.steps:
         states.save(progress, model, optimizer)

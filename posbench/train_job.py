@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
-from posbench import build, data, memory
+from posbench import build, data, dist, memory
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.device import resolve_device
 from posbench.evaluate import span
@@ -64,14 +65,23 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
     finalize(cfg)
     corpus = prepare_data(cfg)
     job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size))
-    check_memory(job)
+    if not _on_cuda(job):  # a GPU's free memory is read in the process that trains, on its own GPU: in_folder
+        check_memory(job)
     return job if run_dir is None else in_folder(job, run_dir)
+
+
+def _on_cuda(job: TrainJob) -> bool:
+    return resolve_device(job.config.train.device).type == "cuda"
 
 
 def check_memory(job: TrainJob) -> None:
     """Raise ConfigError when a training step, or the evaluation's forward pass at the longest length, needs more
-    memory than the training device has available now (estimated by posbench/memory.py; the message gives both)."""
-    t, e, device = job.config.train, job.config.eval, resolve_device(job.config.train.device)
+    memory than the training device has available now (estimated by posbench/memory.py; the message gives both and
+    names ``train.check_memory=false``, which skips the check)."""
+    t, e = job.config.train, job.config.eval
+    if not t.check_memory:
+        return
+    device = torch.device(dist.device_of(str(resolve_device(t.device))))
     longest = max(e.lengths)
     try:
         memory.check_fits(job.spec, t.batch_size, t.seq_len, memory.kernel_for(job.spec["scheme"]["name"], device, True,
@@ -80,16 +90,18 @@ def check_memory(job: TrainJob) -> None:
             job.spec["scheme"]["name"], device, False), device, f"eval.lengths (up to {longest}) × eval.batch_tokens="
             f"{e.batch_tokens}", training=False)
     except memory.MemoryTooSmall as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError(f"{err} (or, if you know it fits, train.check_memory=false)") from None
 
 
 def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
     """``job`` with the training state it resumes in ``run_dir`` (looked for once per folder).
 
-    Raises ConfigError as :func:`posbench.training_state.resume_state`."""
+    Raises ConfigError as :func:`posbench.training_state.resume_state`, or, on CUDA, as :func:`check_memory`."""
     run_dir = Path(run_dir)
     if job.run_dir == run_dir:
         return job
+    if _on_cuda(job):
+        check_memory(job)
     return dataclasses.replace(job, run_dir=run_dir, state=resume_state(job.config, run_dir))
 
 

@@ -24,7 +24,7 @@ from posbench import checkpoint, dist
 from posbench.config import ConfigError, to_dict
 
 RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
-             "train.device", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
+             "train.device", "train.check_memory", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

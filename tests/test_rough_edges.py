@@ -230,3 +230,64 @@ def test_a_read_only_folder_is_refused_before_anything_is_written(command, train
             "report": ["report", ro / "run"]}[command]
     message = refused(_as_read_only(ro, *args), ro, before)
     assert "cannot write to <run>" in message and ("DIR" in message or "copy" in message), message
+
+
+# ---- found in review: the lock before the states, a checksum before its file, the memory check's switch -------
+
+
+def test_a_folder_in_use_is_named_before_its_training_states_are_read(run_cli, data_cache, existing_run):
+    """While another process holds the folder, its states may be mid-write: the refusal must be "in use", not a
+    verdict on states read at a bad moment (here: a lone state that reads as corrupt)."""
+    (state,) = (existing_run / "checkpoints").glob("step-*.pt")
+    state.write_bytes(state.read_bytes()[:100])
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from posbench import runlock; "
+                               f"runlock.acquire({str(existing_run)!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(existing_run)
+        message = refused(run_into(run_cli, data_cache, existing_run), existing_run, before)
+        assert message.startswith("<run> is in use by another posbench process") and f"pid {holder.pid}" in message
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("at", ["step-00000008.pt", "step-00000008.pt.sha256"])
+def test_an_interrupted_save_leaves_no_state_that_reads_as_corrupt(at, tmp_path, monkeypatch):
+    """A second Ctrl-C (or kill -9) between the state's rename and its checksum's used to leave a file without a
+    checksum: a lone state that stops the next run. The checksum is written first now: whichever rename is
+    interrupted, the new state is either whole or absent."""
+    from posbench import checkpoint
+
+    checkpoint.save_state(tmp_path, {"step": 4, "config": {}}, keep=2)
+    real = os.replace
+
+    def interrupted(src, dst):
+        if str(dst).endswith(at):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_state(tmp_path, {"step": 8, "config": {}}, keep=2)
+    monkeypatch.setattr(os, "replace", real)
+    assert checkpoint.latest_state(tmp_path)["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step-00000004.pt"]
+
+
+def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    from posbench import memory, train_job
+    from posbench.cli import register
+    from posbench.config import ConfigError
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1 << 20, "a 1 MiB test machine"))
+    register()
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        cfg, off = (compose("train", overrides=["debug=fast", f"data.cache_dir={data_cache}", *extra])
+                    for extra in ([], ["train.check_memory=false"]))
+    with pytest.raises(ConfigError, match=r"a 1 MiB test machine.*train\.check_memory=false"):
+        train_job.prepare(cfg)
+    assert train_job.prepare(off).config.train.check_memory is False
