@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from posbench import stats
-from posbench.results import READABLE
+from posbench.results import READABLE, SUPERSEDED
 from posbench.schemes import variant_label
 from posbench.upgrade import upgrade
 
@@ -48,7 +48,7 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
         if not folder.is_dir():
             raise ReportError(f"{str(folder)!r} is not a folder; give run or sweep folders")
         runs = {p.parent.parent for p in folder.rglob(".hydra/config.yaml")} | {p.parent for p in folder.rglob("results.json")}
-        for run in sorted(runs):
+        for run in sorted(r for r in runs if SUPERSEDED not in r.relative_to(folder).parts):  # (asked for by name: kept)
             files = sorted([*run.glob("results.json"), *run.glob("eval-*.json")])
             if not files:
                 skipped.append(f"{run}: no results yet (still running, or stopped before evaluation)")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
 FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the scheme's own options only; 2: rows
 READABLE = (1, 2, 3, 4)  # carry window_nll / window_tokens. Older records are read too (posbench.upgrade.upgrade)
 CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",

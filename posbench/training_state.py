@@ -11,6 +11,7 @@ docs/design.md §5.4; the files are posbench/checkpoint.py's.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -20,9 +21,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from posbench import checkpoint, dist
+from posbench import checkpoint, dist, results
 from posbench.config import ConfigError, to_dict
 
+log = logging.getLogger("posbench")
 RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
              "train.device", "train.check_memory", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
@@ -111,11 +113,12 @@ class TrainingStates:
               fresh: bool) -> Progress:
         """Load ``state`` (from :func:`resume_state`) into ``model``, ``optimizer`` and this rank's generators, or,
         with none, start at step 0; ``fresh`` (``resume=never``) first removes the folder's old states (rank 0), so
-        that they never outrank the new ones. A rank the state has no generator state for (states from before
+        that they never outrank the new ones, and sets the old model's outputs aside (:func:`set_aside`). A rank the state has no generator state for (states from before
         per-rank streams hold rank 0's only; a larger world size) keeps the stream it has."""
         if fresh and dist.rank() == 0:
             for old in (self.out_dir / checkpoint.STATES).glob("step-*"):
                 old.unlink()
+            set_aside(self.out_dir)
         if state is None:
             return Progress(world_sizes=[[0, dist.world()]])
         model.load_state_dict(state["model"])
@@ -154,6 +157,25 @@ class TrainingStates:
         finally:
             if f:
                 f.close()
+
+
+OUTPUTS = ("results.json", "results.csv", "checkpoint.pt", "eval-*", "report.md", "report.csv", "*.png")  # a model's
+
+
+def set_aside(out_dir: Path) -> Path | None:
+    """Move the outputs of the model a run folder held (its results, re-evaluations, checkpoint, report and plots:
+    :data:`OUTPUTS`) into ``superseded/<date>_<time>/`` there, so that a run started over (``resume=never``) is never
+    reported beside another model's numbers (reports skip ``superseded/`` unless it is named).
+    Returns that folder, or None when there was nothing to move."""
+    found = sorted({p for pattern in OUTPUTS for p in Path(out_dir).glob(pattern) if p.is_file()})
+    if not found:
+        return None
+    aside = Path(out_dir) / results.SUPERSEDED / time.strftime("%Y-%m-%d_%H-%M-%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        path.rename(aside / path.name)
+    log.warning("resume=never: the previous model's %s moved to %s", ", ".join(p.name for p in found), aside)
+    return aside
 
 
 def metrics_file(out_dir: Path, step0: int):

@@ -78,6 +78,23 @@ def test_a_lone_corrupt_state_stops_the_run_and_changes_nothing(run_cli, data_ca
     assert again.returncode == 0, again.stderr[-2000:]
 
 
+def test_starting_over_sets_the_old_models_outputs_aside(run_cli, data_cache, existing_run):
+    """resume=never in a finished folder: the old model's results and re-evaluations move to superseded/, so a
+    report of the folder shows the new model only, never the two mixed."""
+    old_eval = existing_run / "eval-rope-nonoverlapping-validation-1.json"
+    shutil.copy(existing_run / "results.json", old_eval)
+    old_sha = (existing_run / "results.json").read_bytes()
+    proc = run_into(run_cli, data_cache, existing_run, "resume=never", "seed=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (aside,) = (existing_run / "superseded").iterdir()
+    assert {p.name for p in aside.iterdir()} >= {"results.json", "results.csv", "checkpoint.pt", old_eval.name}
+    assert (aside / "results.json").read_bytes() == old_sha and not old_eval.exists()
+    assert (existing_run / "results.json").read_bytes() != old_sha  # the new model's, seed 1
+    report = run_cli("report", existing_run, "--out", existing_run.parent / "report")
+    assert report.returncode == 0 and "1 results from runs with seeds [1]" in (existing_run.parent / "report" /
+                                                                                "report.md").read_text()
+
+
 # ---- 3. two processes, one run folder -------------------------------------------------------------------------
 
 
