@@ -261,7 +261,7 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
             )
 
 
-def finalize(cfg: DictConfig) -> DictConfig:
+def finalize(cfg: DictConfig, training: bool = True) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
     ``prepare`` (posbench/train_job.py, posbench/eval_job.py), before any data is read or any step is trained.
 
@@ -276,8 +276,9 @@ def finalize(cfg: DictConfig) -> DictConfig:
             registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
             starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
             protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
-            (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or
-            ``train.device=cuda`` on a machine without CUDA.
+            (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or, when
+            ``training`` (a training job, not a re-evaluation of a recorded config), ``train.device=cuda`` on a
+            machine without CUDA.
     """
     check_keys(cfg, PosbenchConfig())
     t, m, s = cfg.train, cfg.model, cfg.scheme
@@ -295,7 +296,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
     if (m.d_model // m.n_head) % 2:
         raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
     _optimizer_values(t)
-    check_device("train.device", t.device)
+    if training:  # (posbench eval reads a run's recorded train.device, which need not exist on this machine)
+        check_device("train.device", t.device)
     _eval_values(cfg.eval, t.seq_len)
     if cfg.resume not in ("auto", "never"):
         raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")

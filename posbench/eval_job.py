@@ -80,7 +80,7 @@ def prepare(job: DictConfig) -> EvalJob:
     given = {k: v for k, v in to_dict(job.scheme).items() if v is not None} if isinstance(job.get("scheme"), DictConfig) else {}
     if given:
         cfg.scheme = _changed_scheme(cfg.scheme, given, job.run)
-    finalize(cfg)
+    finalize(cfg, training=False)  # the job's own device is checked above; the run's train.device is history
     trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"])
     model = _trained_model(state, trained, overrides, given)

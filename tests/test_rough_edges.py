@@ -308,3 +308,23 @@ def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
     with pytest.raises(ConfigError, match=r"a 1 MiB test machine.*train\.check_memory=false"):
         train_job.prepare(cfg)
     assert train_job.prepare(off).config.train.check_memory is False
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_gpu_trained_run_can_be_evaluated_on_a_machine_without_cuda(run_cli, trained_run, tmp_path):
+    """A run's recorded train.device is history: posbench eval checks its own device (default auto), not the one
+    the run was trained on, so a run trained on a GPU is re-evaluated on a laptop."""
+    import json
+
+    import torch
+
+    run = tmp_path / "gpu-run"
+    shutil.copytree(trained_run, run)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["config"]["train"]["device"] = "cuda"
+    torch.save(state, run / "checkpoint.pt")
+    proc = run_cli("eval", f"run={run}", "eval.lengths=[32,64]", "eval.max_tokens=256")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record,) = run.glob("eval-*.json")
+    rec = json.loads(record.read_text())
+    assert rec["config"]["train"]["device"] == "cuda" and rec["device"] == "cpu"
