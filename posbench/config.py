@@ -61,6 +61,9 @@ class DataConfig:
     max_train_tokens: Optional[int] = None  # stop the train split after N tokens (None = all)
 
 
+SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/train.py lr_factor
+
+
 @dataclass
 class TrainConfig:
     seq_len: int = 128  # the train length L, in tokens
@@ -69,6 +72,7 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr: float = 2e-4  # end of the cosine decay
     warmup_steps: int = 40
+    schedule: str = "cosine"  # cosine (warmup, then decay to min_lr) | constant (warmup, then lr: PI's fine-tuning)
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
@@ -210,6 +214,8 @@ def _optimizer_values(t: DictConfig) -> None:
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is not allowed: it must be between 0 and train.lr={t.lr} "
                           "(the cosine schedule decays from lr to min_lr)")
+    if t.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule={t.schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not allowed: it must be >= 0")
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):

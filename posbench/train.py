@@ -1,8 +1,8 @@
 """The training loop: fit a small causal LM at train length L, checkpoint it, evaluate it at L…16L.
 
 ``train(job)`` runs a prepared job (posbench/train_job.py) in its run folder: set up the process → build the model
-from the job's spec → AdamW with linear warmup and cosine decay → the training steps (:class:`Loop`) with training
-states (posbench/training_state.py) → perplexity at every evaluation length → ``checkpoint.pt``, ``results.json``
+from the job's spec → AdamW with linear warmup, then cosine decay or a constant rate (``train.schedule``) → the
+training steps (:class:`Loop`) with training states (posbench/training_state.py) → perplexity at every evaluation length → ``checkpoint.pt``, ``results.json``
 and ``results.csv``. Batches are random crops of L + 1 tokens from the train memmap; batch i is a pure function of
 (seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training state
 (``resume=auto``, the default) sees the same batches and, on CPU with the same thread count, produces
@@ -177,7 +177,7 @@ class Loop:
     def step(self, i: int) -> tuple:
         """Optimizer step ``i`` (0-based) → (its number i + 1, lr, loss, gradient norm), the last two on the device."""
         t, seed = self.t, self.job.config.seed
-        lr = t.lr * lr_factor(i, t.warmup_steps, t.steps, t.min_lr / t.lr)
+        lr = t.lr * lr_factor(i, t.warmup_steps, t.steps, t.min_lr / t.lr, t.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = (b.to(self.proc.device, non_blocking=True)
@@ -254,10 +254,15 @@ def sync_steps(losses: list[torch.Tensor], norms: list[torch.Tensor], stop: bool
     return (summed[:-1] / dist.world()).tolist(), torch.stack(norms).float().cpu().tolist(), bool(summed[-1])
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total`` (Loshchilov & Hutter 2017)."""
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: str = "cosine") -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``train.lr``: a linear warmup over
+    ``warmup`` steps, then, for ``cosine``, a cosine decay to ``min_ratio`` at ``total`` (Loshchilov & Hutter 2017),
+    or, for ``constant``, 1 to the end (Position Interpolation's fine-tuning: linear warmup, then a constant rate;
+    Chen et al. 2023, §3.1)."""
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
