@@ -127,7 +127,6 @@ def _expand(paths: list[str], key: str) -> list[Path]:
     for f in out:
         if f.stat().st_size == 0:
             raise DataError(f"{key}: file {str(f)!r} is empty")
-        check_utf8(f, key)
     return out
 
 

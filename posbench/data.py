@@ -26,7 +26,8 @@ from typing import Optional
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posbench.corpora import FILE_CORPORA, HUB_CORPORA, SPLITS, DataError, file_sha256, hub_identity, load_hub_corpus
+from posbench.corpora import (FILE_CORPORA, HUB_CORPORA, SPLITS, DataError, check_utf8, file_sha256, hub_identity,
+                              load_hub_corpus)
 
 CACHE_VERSION = 1  # bump when the tokenization below changes
 EOS = "<|endoftext|>"  # appended after every document
@@ -118,9 +119,12 @@ def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] =
 
 def _load_files(split_files: dict, clean, cache_dir: str | None):
     """The files of each split ({split: [paths]}) as a ``datasets.DatasetDict``, a document per file, each passed
-    through ``clean`` (None: as read)."""
+    through ``clean`` (None: as read). Raises DataError for a file that is not UTF-8 (``corpora.check_utf8``)."""
     import datasets  # (as in _write_split)
 
+    for split, files in split_files.items():  # read once, when the cache is built: a cached corpus is not re-read
+        for f in files:
+            check_utf8(f, f"data.{split}_files")
     ds = datasets.load_dataset("text", data_files={s: [str(f) for f in fs] for s, fs in split_files.items()},
                                sample_by="document", cache_dir=str(cache_root(cache_dir) / "hf"))
     if clean is not None:
