@@ -83,7 +83,7 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
     config = SCHEMES[name].make_config(**options)
-    scheme_seed = int(torch.randint(2**62, ()))
+    scheme_seed = int(torch.randint(2**62, (), device="cpu"))  # (the CPU generator, also under a meta device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(scheme_seed)
         scheme = SCHEMES[name](m["d_model"], m["n_head"], config)

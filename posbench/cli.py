@@ -116,7 +116,8 @@ def _train(cfg: DictConfig) -> None:
             print(f"run folder: {out_dir}", flush=True)
         multirun = hc.mode == RunMode.MULTIRUN
         tracker = Tracker.from_config(job.config, out_dir, "train", name=_run_name(job, hc),
-                                      sweep_dir=Path(hc.sweep.dir) if multirun else None, config=to_dict(job.config))
+                                      sweep_dir=Path(hc.sweep.dir) if multirun else None,
+                                      config={**to_dict(job.config), **({"lineage": job.lineage} if job.lineage else {})})
         try:
             train(job, tracker)
         except CheckpointError as e:

@@ -17,12 +17,12 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from posbench import stats
-from posbench.results import READABLE, SUPERSEDED
-from posbench.schemes import variant_label
+from posbench.results import READABLE, SUPERSEDED, run_label
 from posbench.upgrade import upgrade
 
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
            "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
+FT_KEYS = ("train.seq_len", "train.steps")  # what a fine-tuned run's label states (ft512×200)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
 
 
@@ -71,13 +71,25 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                 rec["path"] = str(path)
                 records.append(rec)
     if records:
-        common = Counter(r["train_length"] for r in records).most_common(1)[0][0]
-        skipped += [f"{r['path']}: train length L={r['train_length']} differs from L={common} of the other runs"
-                    for r in records if r["train_length"] != common]
-        records = [r for r in records if r["train_length"] == common]
+        common = Counter(map(origin_length, records)).most_common(1)[0][0]
+        skipped += [f"{r['path']}: train length L={origin_length(r)} differs from L={common} of the other runs"
+                    for r in records if origin_length(r) != common]
+        records = [r for r in records if origin_length(r) == common]
     if not records:
         raise ReportError(f"no results in {', '.join(map(str, folders))}" + (f" ({len(skipped)} runs skipped)" if skipped else ""))
     return _dedupe(records, skipped)
+
+
+def origin_length(rec: dict) -> int:
+    """The train length L a record is compared at: its own, or, for a run started from a parent's weights, the L of
+    the first run of its line (``lineage.origin_length``: posbench/lineage.py), so that a RoPE run fine-tuned at 4L
+    is reported beside its parent and the parent's other fine-tunes."""
+    return (rec.get("lineage") or {}).get("origin_length", rec["train_length"])
+
+
+def label_of(rec: dict) -> str:
+    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``)."""
+    return run_label(rec["config"], rec.get("lineage"))
 
 
 def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[str]]:
@@ -85,7 +97,7 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
     and evaluation settings, and add a ``duplicate of <path>`` line to ``skipped`` for each other one."""
     label_keys, kept, first = settings(records)[0], [], {}
     for rec in sorted(records, key=lambda r: r["path"]):
-        flat, label = _flat(rec["config"]), variant_label(rec["config"]["scheme"])
+        flat, label = _flat(rec["config"]), label_of(rec)
         keys = label_keys[label]
         rec["setting"] = ", ".join([label, *(f"{k}={_show(flat[k])}" for k in keys)])
         rec["order"] = (label, *(value_key(json.loads(flat[k])) for k in keys))
@@ -126,9 +138,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, list[str]], dict[str, dict]]:
     """How the records' configs differ (values as JSON text). Returns
 
-    * label keys per variant label (:func:`posbench.schemes.variant_label`: ``rope``, ``rope+yarn×16``):
+    * label keys per run label (:func:`label_of`: ``rope``, ``rope+yarn×16``, ``rope+yarn×4 ft512×200``):
       the scheme's own keys (``scheme.*``) that differ between its runs, then every other key with more than one value across all records (not seeds, evaluation
-      or bookkeeping keys: :data:`IGNORED`);
+      or bookkeeping keys: :data:`IGNORED`; for a fine-tuned run's label, not what it states: :data:`FT_KEYS`);
     * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or
       the evaluation settings of the table titles; null and [] left out);
     * the keys that differ but label no row (bookkeeping, ``eval.batch_tokens``), with their values;
@@ -140,13 +152,15 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     flats = [_flat(r["config"]) for r in records]  # upgraded configs: every key of the schema and of the scheme
     keys = sorted(set().union(*flats))
     values = {k: sorted({f[k] for f in flats if k in f}) for k in keys}
-    by_scheme = defaultdict(list)  # by variant label: rope and rope+yarn×16 are two rows
+    by_scheme, fine_tuned = defaultdict(list), set()  # by run label: rope and rope+yarn×16 are two rows
     for rec, f in zip(records, flats):
-        by_scheme[variant_label(rec["config"]["scheme"])].append(f)
+        by_scheme[label_of(rec)].append(f)
+        if rec.get("lineage"):
+            fine_tuned.add(label_of(rec))
     common = [k for k in keys if len(values[k]) > 1 and not k.startswith(("scheme.", *IGNORED))]
     own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
            for name, group in by_scheme.items()}
-    labels = {name: [*own[name], *common] for name in by_scheme}
+    labels = {name: [*own[name], *(k for k in common if name not in fine_tuned or k not in FT_KEYS)] for name in by_scheme}
     everywhere = {k for k in keys if all(k in f for f in flats)}  # not an option of some schemes only
     fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k in everywhere
              and k not in ("seed", "scheme.name", *TITLE_KEYS) and v[0] not in ("null", "[]")}
@@ -203,13 +217,21 @@ def fold(records: list[dict]) -> list[dict]:
             recs = sorted(recs, key=lambda r: value_key(r["seed"]))
             for length in lengths:
                 res = [next(r for r in rec["results"] if r["length"] == length) for rec in recs]
-                cells[setting, length] = {**head, "setting": setting, "length": length, **stats.summary(
+                cells[setting, length] = {**head, "setting": setting, "length": length, **_budget(recs[0]), **stats.summary(
                     [r["nll"] for r in res], [(r["window_nll"], r["window_tokens"]) if "window_nll" in r and
                                               "window_tokens" in r else None for r in res])}
         for length in lengths:
             stats.rank([c for (_, n), c in cells.items() if n == length])
         rows += cells.values()
     return rows
+
+
+def _budget(rec: dict) -> dict:
+    """A record's training budget: ``train_tokens`` (its own), and for a fine-tuned run its ``method`` (its label
+    without the step count: ``rope+yarn×4 ft512``) and ``total_train_tokens`` (its parent's line's + its own)."""
+    lineage = rec.get("lineage")
+    return {"train_tokens": rec.get("train_tokens"), "total_train_tokens": rec.get("total_train_tokens"),
+            "method": run_label(rec["config"], lineage, steps=False) if lineage else None}
 
 
 # ---- what the plots draw --------------------------------------------------------------------------
@@ -223,6 +245,19 @@ def ppl_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     for r in sorted((r for r in rows if r["table"] == first), key=lambda r: r["length"]):
         series[r["setting"]][0].append(r["length"])
         series[r["setting"]][1].append(r["ppl"])
+    return dict(series)
+
+
+def finetune_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
+    """{method: (fine-tuning tokens, perplexity at the longest evaluation length)} of the plotted table's fine-tuned
+    rows (``method`` set by :func:`fold`), in token order: how each method improves with its budget; {} without any."""
+    first = min(r["table"] for r in rows)
+    longest = max(r["length"] for r in rows if r["table"] == first)
+    series = defaultdict(lambda: ([], []))
+    for r in sorted((r for r in rows if r["table"] == first and r["length"] == longest and r.get("method")),
+                    key=lambda r: r["train_tokens"] or 0):
+        series[r["method"]][0].append(r["train_tokens"] or 0)
+        series[r["method"]][1].append(r["ppl"])
     return dict(series)
 
 

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")
+INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/lineage.py
 SPLITS = ("validation", "test")
 DEFAULT_SCHEME = "rope"  # a recorded config without scheme.name (train.yaml's default, the old schema's too)
 
@@ -115,6 +116,8 @@ class PosbenchConfig:
     seed: int = 0
     resume: str = "auto"  # auto: continue from the run folder's newest valid checkpoint; never: start over
     resume_any_world_size: bool = False  # resume under another torchrun world size (recorded as world_sizes)
+    init_from: Optional[str] = None  # start from this run's weights (its folder or checkpoint.pt): posbench/lineage.py
+    init_rows: str = "scheme"  # rows a learned table gains from the parent: scheme (initialised) | interpolate (PI)
 
 
 @dataclass
@@ -267,7 +270,7 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
             )
 
 
-def finalize(cfg: DictConfig, training: bool = True) -> DictConfig:
+def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None = None) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
     ``prepare`` (posbench/train_job.py, posbench/eval_job.py), before any data is read or any step is trained.
 
@@ -275,13 +278,17 @@ def finalize(cfg: DictConfig, training: bool = True) -> DictConfig:
     scheme's ``Config``, whose ``resolve(L, longest)`` fills and checks them (the learned scheme's
     ``max_positions``: None → 16·L, never derived from ``eval.*``, so the model, its initialisation included, does
     not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
+    ``trained_length`` is the length the weights were trained at when that is not ``train.seq_len`` (a run started
+    from a parent's weights, ``init_from``: the parent's L); derived scheme options are filled from it (RoPE's
+    ``original_length``: the length a scaling method scales from).
 
     Raises:
         ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
             ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
             registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
             starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
-            protocol or split, a stride outside 1…min(lengths), optimizer values that would break training
+            protocol or split, a stride outside 1…min(lengths), ``train.steps=0`` without ``init_from`` (0 steps:
+            a parent evaluated as it is), ``init_rows`` not in :data:`INIT_ROWS`, optimizer values that would break training
             (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or, when
             ``training`` (a training job, not a re-evaluation of a recorded config), ``train.device=cuda`` on a
             machine without CUDA.
@@ -292,8 +299,17 @@ def finalize(cfg: DictConfig, training: bool = True) -> DictConfig:
         raise ConfigError(f"seed={cfg.seed} is not allowed: it must be an integer >= 0")
     if s.name not in SCHEMES:
         raise ConfigError(f"unknown scheme {s.name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
-    for key in ("seq_len", "batch_size", "steps", "log_every"):
+    for key in ("seq_len", "batch_size", "log_every"):
         _positive(f"train.{key}", t[key])
+    if t.steps == 0 and cfg.init_from is None:
+        raise ConfigError("train.steps=0 needs init_from=<run folder> (0 steps: a parent's weights evaluated as they "
+                          "are); a run from scratch needs a positive train.steps")
+    if t.steps != 0:
+        _positive("train.steps", t.steps)
+    if cfg.init_rows not in INIT_ROWS:
+        raise ConfigError(f"init_rows={cfg.init_rows!r} is unknown; choose one of: {', '.join(INIT_ROWS)}")
+    if cfg.init_rows != "scheme" and cfg.init_from is None:
+        raise ConfigError(f"init_rows={cfg.init_rows} applies to a run started from a parent: add init_from=<run folder>")
     for key in ("n_layer", "n_head", "d_model", "d_ff"):
         _positive(f"model.{key}", m[key])
     _positive("data.vocab_size", cfg.data.vocab_size)
@@ -313,7 +329,7 @@ def finalize(cfg: DictConfig, training: bool = True) -> DictConfig:
         raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     try:
         resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
-        resolved.resolve(t.seq_len, max(max(cfg.eval.lengths), t.seq_len))
+        resolved.resolve(trained_length or t.seq_len, max(max(cfg.eval.lengths), t.seq_len))
     except ValueError as err:
         raise ConfigError(f"scheme.{err}") from None
     with open_dict(s):

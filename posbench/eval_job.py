@@ -27,7 +27,7 @@ from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_d
                              scheme_schema, to_dict)
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
-from posbench.schemes import SCHEMES, variant_label
+from posbench.schemes import SCHEMES
 from posbench.train_job import prepare_data
 
 
@@ -55,8 +55,9 @@ class EvalJob:
 
     @cached_property
     def label(self) -> str:
-        """The variant label of the model as evaluated (``rope+yarn×16``): the eval file's name, wandb, report rows."""
-        return variant_label(to_dict(self.config.scheme))
+        """The label of the model as evaluated (``rope+yarn×16``, ``rope+yarn×4 ft512×200``: posbench/results.py):
+        the eval file's name, wandb, report rows."""
+        return results.run_label(to_dict(self.config), self.state.get("lineage"))
 
 
 def prepare(job: DictConfig) -> EvalJob:
@@ -97,6 +98,7 @@ def run(job: EvalJob, progress=None) -> dict:
     rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
                     e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     extra = {"scheme_overrides": job.overrides["scheme"]} if job.overrides else {}
+    extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens") if job.state.get(k)})  # a fine-tuned run's
     rec = results.record(to_dict(job.config), rows, job.label, split=e.split, train_tokens=job.state.get("train_tokens"),
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)

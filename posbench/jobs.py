@@ -70,8 +70,8 @@ def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     declared = compose(config_name, overrides=fixed, return_hydra_config=True).hydra.sweeper.params or {}
     given = {o.key_or_group for o in parsed}
-    parsed += parser.parse_overrides([f"{k}={v}" for k, v in declared.items() if k not in given])
-    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+    parsed += parser.parse_overrides([f"{k}={v}" for k, v in declared.items() if k.lstrip("+~").split("@")[0] not in given])
+    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
             for o in parsed]
     return [list(c) for c in itertools.product(*axes)]
 

@@ -2,7 +2,9 @@
 calls :func:`draw`):
 
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands;
-* ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds.
+* ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds;
+* ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
+  evaluation length against fine-tuning tokens, one line per method.
 
 Both mark the train length L and give each setting one colour. matplotlib is imported when a plot is drawn, so
 the rest of posbench starts without it.
@@ -53,6 +55,28 @@ def draw(out: Path, train_length: int, title: str, table: list[dict], curves: di
            title=f"Loss by position at the longest evaluation length\n{title}")
     _finish(plt, fig, ax, train_length, out / "loss_vs_position.png")
     return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
+
+
+def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, title: str) -> Path:
+    """Write ``ppl_vs_finetune.png``: for each method (``rope+yarn×4 ft512``), perplexity at evaluation length
+    ``length`` against its fine-tuning tokens (0: the parent's weights as they are); return its path."""
+    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (method, (xs, ys)) in enumerate(series.items()):
+        ax.plot(xs, ys, marker="o", label=method, color=f"C{i % 10}")
+    ax.set(yscale="log", xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}",
+           title=f"Perplexity at {length} tokens vs fine-tuning budget\n{title}")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "ppl_vs_finetune.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _finish(plt, fig, ax, train_length: int, path: Path) -> None:

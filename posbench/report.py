@@ -8,7 +8,8 @@
   significantly worse (posbench/stats.py), and ppl(longest)/ppl(L); the settings held fixed; skipped runs;
 * ``report.csv`` — the same numbers and tests, long format;
 * ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/plots.py), of one evaluation setting (validation
-  split and the nonoverlapping protocol when present).
+  split and the nonoverlapping protocol when present), and ``ppl_vs_finetune.png`` when fine-tuned runs
+  (``init_from``: ``ft512×200`` rows, with a column of train tokens) are among them.
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -25,7 +26,7 @@ from posbench.results import split_text
 log = logging.getLogger("posbench")
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
                   "ppl", "ppl_std", "nll_mean", "nll_std", "seeds", "best", "test", "p_value", "ci_low", "ci_high",
-                  "significantly_worse"]
+                  "significantly_worse", "method", "train_tokens", "total_train_tokens"]
 
 
 def table_title(r: dict) -> str:
@@ -52,10 +53,11 @@ def tables(rows: list[dict], train_length: int) -> str:
         sub = [r for r in rows if r["table"] == table]
         lengths = sub[0]["lengths"]
         base = train_length if train_length in lengths else lengths[0]
-        ratio = len(lengths) > 1
+        ratio, tokens = len(lengths) > 1, any(r.get("method") for r in sub)  # tokens: fine-tuned rows, their budget
         lines = [f"### {table}. {table_title(sub[0])}", "",
-                 "| | " + " | ".join(map(str, lengths)) + (f" | ppl({lengths[-1]})/ppl({base})" if ratio else "") + " | seeds |",
-                 "|---" * (len(lengths) + 2 + ratio) + "|"]
+                 "| | " + " | ".join(map(str, lengths)) + (f" | ppl({lengths[-1]})/ppl({base})" if ratio else "")
+                 + (" | train tokens (own / total)" if tokens else "") + " | seeds |",
+                 "|---" * (len(lengths) + 2 + ratio + tokens) + "|"]
         settings_ = list(dict.fromkeys(r["setting"] for r in sub))
         compared = len(settings_) > 1  # one row: nothing to compare, no marks
         for setting in settings_:
@@ -63,9 +65,17 @@ def tables(rows: list[dict], train_length: int) -> str:
             cells = [f"{mine[n]['ppl']:.2f}" + (f" ± {mine[n]['ppl_std']:.2f}" if mine[n]["seeds"] > 1 else "")
                      + (_mark(mine[n]) if compared else "") for n in lengths]
             cells += [f"{mine[lengths[-1]]['ppl'] / mine[base]['ppl']:.2f}"] if ratio else []
+            cells += [_tokens(mine[lengths[0]])] if tokens else []
             lines.append(f"| {setting} | " + " | ".join(cells) + f" | {mine[lengths[0]]['seeds']} |")
         out.append("\n".join([*lines, *(["", stats.note(sub)] if compared else [])]))
     return "\n\n".join(out)
+
+
+def _tokens(r: dict) -> str:
+    """``409,600 / 1,843,200``: a row's own train tokens and, for a fine-tuned run, the total with its parent's line."""
+    def show(n):
+        return "–" if n is None else f"{n:,}"
+    return show(r.get("train_tokens")) + (f" / {show(r['total_train_tokens'])}" if r.get("total_train_tokens") else "")
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -79,7 +89,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     for line in skipped:
         log.warning("skipped %s", line)
     rows = compare.fold(records)
-    train_length = records[0]["train_length"]
+    train_length = compare.origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
     _, fixed, varying, per_scheme = compare.settings(records)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "report.csv", "w", newline="") as f:
@@ -89,6 +99,9 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     first = [r for r in rows if r["table"] == 1]  # the plotted table: validation split, nonoverlapping when present
     images = plots.draw(out, train_length, table_title(first[0]), first, compare.position_curves(records, rows),
                         compare.setting_order(records))
+    series = compare.finetune_series(rows)
+    if series:
+        images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(first[0]["lengths"]), table_title(first[0]))
     seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
     table_text = tables(rows, train_length)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
@@ -97,11 +110,14 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
                  [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
                 ("Skipped", skipped)]
     text = (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
-            f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
+            + ("Fine-tuned runs (started from a parent's weights, `init_from`) are labelled `ft<length>×<steps>`; L is "
+               "their parent's, and their budget is in the tokens column.\n\n" if series else "")
+            + f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
             "and per value of every other setting that differs between runs. Each cell is the perplexity exp(mean NLL "
             "over seeds), NLL in nats/token, ± the standard deviation over seeds of the per-seed perplexity; ★ marks "
             "the best cell of a column and those not significantly worse (the test is named under each table).\n\n"
             f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n"
+            + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if series else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
                       if lines or head == "Settings held fixed"))
     (out / "report.md").write_text(text)

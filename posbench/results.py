@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from posbench.schemes import variant_label
+
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
 FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the scheme's own options only; 2: rows
 READABLE = (1, 2, 3, 4)  # carry window_nll / window_tokens. Older records are read too (posbench.upgrade.upgrade)
@@ -46,6 +48,19 @@ def record(config: dict, rows: list[dict], label: str, split: str, train_tokens:
             "tokens_per_second": round(train_tokens / train_seconds, 1) if train_seconds else None,
             "torch": torch.__version__, "device": device, "threads": threads, **extra,
             "results": rows, "config": config}
+
+
+def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> str:
+    """A run's label in results, file names, wandb and report rows: the scheme's variant label
+    (:func:`posbench.schemes.variant_label`: ``rope``, ``rope+yarn×4``), then, for a run started from a parent's
+    weights (``lineage``: posbench/lineage.py), what it did from there: ``ft<L>×<steps>`` (fine-tuned at length L
+    for that many steps; ×0: the parent's weights evaluated as they are), and the parent's scheme when it changed
+    (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``)."""
+    label = variant_label(config["scheme"])
+    if not lineage:
+        return label
+    changed = f"{lineage['scheme']}→" if lineage.get("scheme") not in (None, config["scheme"]["name"]) else ""
+    return f"{changed}{label} ft{config['train']['seq_len']}" + (f"×{config['train']['steps']}" if steps else "")
 
 
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:

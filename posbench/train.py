@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import build, checkpoint, dist, results
+from posbench import build, checkpoint, dist, lineage, results
 from posbench.config import to_dict
 from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.device import resolve_device, set_threads
@@ -80,6 +80,9 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     tracker, config = tracker or Tracker(False, out_dir, ""), to_dict(cfg)
     proc = start_process(t.device, t.threads, cfg.seed)
     model = build.build_model(job.spec).to(proc.device)
+    if job.parent:  # a run started from a parent's weights (a resumed one then takes its training state's)
+        lineage.load(model, job.parent, cfg.init_rows, t.seq_len, proc.device)
+        log.info("starting from the weights of %s (%s, step %s)", job.parent.path, job.lineage["label"], job.lineage["step"])
     seed_rank(cfg.seed, proc.rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
     optimizer = make_optimizer(model, t, fused=proc.device.type == "cuda")
     states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device)
@@ -112,7 +115,7 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
                             train_tokens=progress.tokens, train_seconds=wall, device=str(proc.device),
                             threads=proc.threads, world_size=proc.world, world_sizes=progress.world_sizes,
                             status="complete", final_loss=progress.loss if math.isfinite(progress.loss) else None,
-                            param_sha256=digests, resumed_from=progress.resumed_from)
+                            param_sha256=digests, resumed_from=progress.resumed_from, **lineage_fields(job, progress.tokens))
     dist.main_only(lambda: write_outputs(job, model, config, record, tracker))
     return record
 
@@ -216,12 +219,20 @@ class Loop:
         raise TrainingFailed(message)
 
 
+def lineage_fields(job: TrainJob, tokens: int) -> dict:
+    """A fine-tuned run's ``lineage`` (posbench/lineage.py) and ``total_train_tokens`` (the parent's total + its
+    own ``tokens``), for its record and checkpoint; {} for a run trained from scratch."""
+    if not job.lineage:
+        return {}
+    return {"lineage": job.lineage, "total_train_tokens": (job.lineage["total_train_tokens"] or 0) + tokens}
+
+
 def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: dict, tracker: Tracker) -> None:
     """Rank 0's files of a finished run: ``checkpoint.pt`` (with the job's spec), ``results.json``/``.csv``; the
     evaluation to wandb, and the run's table to stdout."""
     tokenizer = {"path": str(job.corpus.tokenizer_path), "key": job.corpus.key}
     checkpoint.save(job.run_dir / checkpoint.NAME, model, job.spec, config, tokenizer, job.config.train.steps,
-                    train_tokens=record["train_tokens"])
+                    train_tokens=record["train_tokens"], **lineage_fields(job, record["train_tokens"]))
     results.write_results(job.run_dir, record)
     tracker.log_eval(record["results"])
     print(results.run_table(record), flush=True)

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from posbench import build, data, dist, memory
+from posbench import build, data, dist, lineage, memory
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.device import resolve_device
 from posbench.evaluate import span
-from posbench.schemes import variant_label
+from posbench.results import run_label
 from posbench.training_state import resume_state
 
 
@@ -39,6 +39,7 @@ class TrainJob:
         run_dir: the folder the training state was looked for in; None: not yet (a sweep's job, before Hydra
             names its folder).
         state: the training state to resume in ``run_dir`` (``resume=auto``), or None.
+        parent: the run whose weights this one starts from (``init_from``: posbench/lineage.py), or None.
     """
 
     config: DictConfig
@@ -46,11 +47,17 @@ class TrainJob:
     spec: dict
     run_dir: Path | None = None
     state: dict | None = None
+    parent: lineage.Parent | None = None
+
+    @cached_property
+    def lineage(self) -> dict | None:
+        """What the run records of its parent (``posbench.lineage.Parent.lineage``), or None."""
+        return self.parent.lineage(self.config.init_rows) if self.parent else None
 
     @cached_property
     def label(self) -> str:
-        """The run's variant label (``rope``, ``rope+yarn×16``): results, wandb, report rows."""
-        return variant_label(self.spec["scheme"])
+        """The run's label (``rope``, ``rope+yarn×16``, ``rope+yarn×4 ft512×200``): results, wandb, report rows."""
+        return run_label({**to_dict(self.config), "scheme": self.spec["scheme"]}, self.lineage)
 
 
 def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
@@ -58,13 +65,19 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
 
     Raises:
         ConfigError: a bad value (``posbench.config.finalize``), splits too short for the lengths, a step that
-            cannot fit in the device's memory (:func:`check_memory`), or a training state in ``run_dir`` the run
-            cannot resume (:func:`posbench.training_state.resume_state`).
+            cannot fit in the device's memory (:func:`check_memory`), a parent (``init_from``) the run cannot start
+            from (``posbench.lineage.read`` and ``check``), or a training state in ``run_dir`` the run cannot resume
+            (:func:`posbench.training_state.resume_state`).
         posbench.data.DataError: unusable data.
     """
-    finalize(cfg)
+    parent = lineage.read(cfg.init_from) if cfg.get("init_from") else None
+    if parent:
+        lineage.inherit(cfg, parent)
+    finalize(cfg, trained_length=parent.length if parent else None)
     corpus = prepare_data(cfg)
-    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size))
+    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size), parent=parent)
+    if parent:
+        lineage.check(cfg, parent, job.spec, corpus.key)
     if not _on_cuda(job):  # a GPU's free memory is read in the process that trains, on its own GPU: in_folder
         check_memory(job)
     return job if run_dir is None else in_folder(job, run_dir)

@@ -78,6 +78,8 @@ def test_every_job_of_an_experiment_sweep_finalizes(experiment, hydra_ctx):
     axes = [[f"{key}={value.strip()}" for value in str(values).split(",")] for key, values in declared.items()]
     for job in itertools.product(*axes):
         cfg = compose("train", overrides=[f"experiment={experiment}", *job])
+        if cfg.train.steps == 0:  # a preset that fine-tunes a parent (experiment=extend: read by train_job.prepare)
+            cfg.init_from = "outputs/parent"
         finalize(cfg)
         if cfg.scheme.name == "learned":
             assert cfg.scheme.max_positions >= max(cfg.eval.lengths)

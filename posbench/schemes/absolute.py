@@ -94,5 +94,28 @@ class Learned(PositionalScheme):
         self.table = nn.Embedding(n, d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 
+    def adopt(self, trained, rows, trained_length, new_length):
+        """Take a parent's table (N rows) into this one (N' rows, as initialised). ``rows=scheme``: the parent's N
+        rows are kept bit for bit, rows N…N'−1 stay as this scheme initialised them (N' < N: ValueError, a table
+        does not shrink). ``rows=interpolate``: Position Interpolation (Chen et al. 2023, eq. 2) on the table: row
+        p < L' (the new train length) becomes the parent's table at x = p·L/L' (L: the parent's train length, the
+        rows it trained), linear between rows ⌊x⌋ and ⌈x⌉ (the last trained row, L − 1, where ⌈x⌉ reaches L);
+        rows L'…N'−1 stay as initialised."""
+        old, new = trained["table.weight"], self.table.weight  # (N, D), (N', D)
+        with torch.no_grad():
+            if rows == "scheme":
+                if old.shape[0] > new.shape[0]:
+                    raise ValueError(f"max_positions={new.shape[0]}: the parent's table has {old.shape[0]} rows, and a "
+                                     f"fine-tune keeps or grows it (max_positions >= {old.shape[0]})")
+                new[: old.shape[0]].copy_(old)
+            elif rows == "interpolate":
+                x = torch.arange(min(new_length, new.shape[0]), dtype=torch.float64, device=old.device) * trained_length / new_length  # (L',)
+                low = x.floor().long().clamp(max=trained_length - 1)
+                high = (low + 1).clamp(max=trained_length - 1)
+                w = (x - low).to(old.dtype)[:, None]  # (L', 1)
+                new[: len(x)].copy_(old[low] * (1 - w) + old[high] * w)
+            else:
+                super().adopt(trained, rows, trained_length, new_length)
+
     def embed(self, x, pos):
         return x + self.table(pos).to(x.dtype)  # (B, T, D)

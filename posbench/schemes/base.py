@@ -120,6 +120,28 @@ class PositionalScheme(nn.Module):
                                  f"{', '.join(allowed) or 'none'}")
         return cls.Config(**options)
 
+    def adopt(self, trained: dict[str, torch.Tensor], rows: str, trained_length: int, new_length: int) -> None:
+        """Take a parent's trained scheme tensors (its ``state_dict``, keys without ``scheme.``) into this scheme,
+        built with the new run's options: a run started from another run's weights (posbench/lineage.py). Here they
+        must fit exactly; a scheme whose tensors may change shape (the learned table) overrides this.
+
+        Args:
+            trained: the parent scheme's tensors.
+            rows: how new rows of a grown table are made (``init_rows``: ``scheme`` or ``interpolate``); only a
+                scheme with a position table takes ``interpolate``.
+            trained_length, new_length: the parent's train length L and the new run's.
+
+        Raises ValueError: a tensor missing, extra or of another shape (the message names it and both shapes), or
+            ``rows=interpolate`` for a scheme without a position table."""
+        if rows != "scheme":
+            raise ValueError(f"init_rows={rows}: the {type(self).__name__} scheme has no position table to interpolate")
+        own = self.state_dict()
+        for key in sorted(set(own) | set(trained)):
+            mine, theirs = own.get(key), trained.get(key)
+            if mine is None or theirs is None or mine.shape != theirs.shape:
+                raise ValueError(f"the parent's scheme.{key} has shape {_shape(theirs)} and this run's {_shape(mine)}")
+        self.load_state_dict(trained)
+
     def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D) token embeddings, pos: (T,) int64 → (B, T, D)."""
         return x
@@ -147,6 +169,10 @@ class PositionalScheme(nn.Module):
         A scheme that overrides it sets ``has_bias = True``. Learned parameters used here get gradients.
         """
         return score
+
+
+def _shape(t: torch.Tensor | None) -> str:
+    return "(none)" if t is None else str(tuple(t.shape))
 
 
 # ---- checks of an option's value, shared by the Configs ----------------------------------------------------
