@@ -92,6 +92,13 @@ def label_of(rec: dict) -> str:
     return run_label(rec["config"], rec.get("lineage"))
 
 
+def _label_order(rec: dict) -> tuple:
+    """Rows by label, a fine-tuned run's by its method, then its step count as a number (ft512×50 before ft512×200)."""
+    if not rec.get("lineage"):
+        return (label_of(rec), -1)
+    return (run_label(rec["config"], rec["lineage"], steps=False), rec["config"]["train"]["steps"])
+
+
 def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[str]]:
     """Set each record's row label and sort key; keep the first (by path) of records with the same label, seed
     and evaluation settings, and add a ``duplicate of <path>`` line to ``skipped`` for each other one."""
@@ -100,7 +107,7 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
         flat, label = _flat(rec["config"]), label_of(rec)
         keys = label_keys[label]
         rec["setting"] = ", ".join([label, *(f"{k}={_show(flat[k])}" for k in keys)])
-        rec["order"] = (label, *(value_key(json.loads(flat[k])) for k in keys))
+        rec["order"] = (_label_order(rec), *(value_key(json.loads(flat[k])) for k in keys))
         earlier = first.setdefault((rec["setting"], json.dumps(rec["seed"]), eval_settings(rec)), rec["path"])
         if earlier != rec["path"]:
             skipped.append(f"{rec['path']}: duplicate of {earlier}")

@@ -64,11 +64,14 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+    import matplotlib.ticker  # (plain numbers on the axis)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (method, (xs, ys)) in enumerate(series.items()):
         ax.plot(xs, ys, marker="o", label=method, color=f"C{i % 10}")
-    ax.set(yscale="log", xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}",
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}",
            title=f"Perplexity at {length} tokens vs fine-tuning budget\n{title}")
     ax.title.set_fontsize(9)
     ax.legend(fontsize=8)
