@@ -60,6 +60,7 @@ class DataConfig:
     tokenizer_train_chars: Optional[int] = None  # train the BPE on the first N characters of train (None = all)
     max_train_docs: Optional[int] = None  # keep the first N train documents (None = all; PG-19 streams them)
     max_train_tokens: Optional[int] = None  # stop the train split after N tokens (None = all)
+    passkey_rate: float = 0.0  # fraction of training windows given a needle + query (posbench/passkey.py); 0 = none
 
 
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/train.py lr_factor
@@ -87,6 +88,24 @@ class TrainConfig:
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
 
+PROBES = ("passkey",)  # eval.probes
+
+
+@dataclass
+class PasskeyConfig:
+    """``eval.passkey``: the passkey retrieval probe (posbench/passkey.py; docs/design.md §6.4)."""
+
+    trials: int = 20  # windows per (length, depth) cell
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in the haystack
+    lengths: Optional[List[int]] = None  # None = eval.lengths
+    key_length: int = 4  # k, tokens per key
+    key_vocab: int = 100  # keys are drawn from the N most frequent whole-word tokens
+    marker: str = " The pass key is"
+    end: str = "."
+    threshold: float = 0.8  # accuracy within L below which a row "does not retrieve within L"
+    seed: int = 0
+
+
 @dataclass
 class EvalConfig:
     lengths: Optional[List[int]] = None  # None = L, 2L, 4L, 8L, 16L
@@ -95,6 +114,8 @@ class EvalConfig:
     split: str = "validation"
     max_tokens: Optional[int] = None  # budget: targets scored per evaluation length; None = the whole split
     batch_tokens: int = 16384  # tokens per forward pass
+    probes: List[str] = field(default_factory=list)  # beside perplexity: passkey
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
 
 
 @dataclass
@@ -254,6 +275,10 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
     if list(e.lengths) != sorted(set(e.lengths)):
         raise ConfigError(f"eval.lengths={list(e.lengths)} is not allowed: give increasing lengths without repeats, "
                           f"e.g. [{','.join(map(str, sorted(set(e.lengths))))}] (tables and ratios read them in order)")
+    for probe in e.probes:
+        if probe not in PROBES:
+            raise ConfigError(f"eval.probes has {probe!r}; the probes: {', '.join(PROBES)}")
+    _passkey_values(e.passkey, e.lengths)
     if e.protocol not in PROTOCOLS:
         raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
     if e.split not in SPLITS:
@@ -268,6 +293,26 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
             raise ConfigError(
                 f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest evaluation length {min(e.lengths)}"
             )
+
+
+def _passkey_values(p: DictConfig, lengths) -> None:
+    """Fill ``eval.passkey.lengths`` (None → ``eval.lengths``) and check the probe's settings."""
+    for key in ("trials", "key_length", "key_vocab"):
+        _positive(f"eval.passkey.{key}", p[key])
+    if p.key_vocab < p.key_length:
+        raise ConfigError(f"eval.passkey.key_vocab={p.key_vocab} is smaller than eval.passkey.key_length="
+                          f"{p.key_length}: a key draws its tokens from the vocabulary")
+    if len(p.depths) == 0 or not all(0 <= d <= 1 for d in p.depths):
+        raise ConfigError(f"eval.passkey.depths={list(p.depths)} is not allowed: give depths between 0 (the start of the "
+                          "haystack) and 1 (its end)")
+    if not 0 < p.threshold <= 1:
+        raise ConfigError(f"eval.passkey.threshold={p.threshold} is not allowed: it must be in (0, 1]")
+    if p.seed < 0:
+        raise ConfigError(f"eval.passkey.seed={p.seed} is not allowed: it must be >= 0")
+    if p.lengths is None:
+        p.lengths = list(lengths)
+    if len(p.lengths) == 0 or list(p.lengths) != sorted(set(p.lengths)) or min(p.lengths) < 2:
+        raise ConfigError(f"eval.passkey.lengths={list(p.lengths)} is not allowed: give increasing lengths >= 2")
 
 
 def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None = None) -> DictConfig:
@@ -306,6 +351,9 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
                           "are); a run from scratch needs a positive train.steps")
     if t.steps != 0:
         _positive("train.steps", t.steps)
+    if not 0 <= cfg.data.passkey_rate <= 1:
+        raise ConfigError(f"data.passkey_rate={cfg.data.passkey_rate} is not allowed: it is the fraction of training "
+                          "windows given a needle, between 0 and 1")
     if cfg.init_rows not in INIT_ROWS:
         raise ConfigError(f"init_rows={cfg.init_rows!r} is unknown; choose one of: {', '.join(INIT_ROWS)}")
     if cfg.init_rows != "scheme" and cfg.init_from is None:

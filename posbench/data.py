@@ -132,13 +132,16 @@ def _load_files(split_files: dict, clean, cache_dir: str | None):
     return ds
 
 
-def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: int = 1, **options) -> Corpus:
+def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: int = 1, passkey_rate: float = 0.0,
+            **options) -> Corpus:
     """Load corpus ``name``, train its tokenizer and cache its token ids; reuse the cache when present.
 
     Args:
         name: a key of :data:`FILE_CORPORA` or :data:`HUB_CORPORA`.
         vocab_size: BPE vocabulary size, special token included.
         num_proc: tokenization worker processes (``datasets.map``).
+        passkey_rate: ``data.passkey_rate``, a training option (needles inserted into training windows,
+            posbench/passkey.py), not part of the corpus: ignored here.
         options: the corpus's own settings (``validation``/``test`` plays, ``*_files``; ``path``: a local copy
             of a paper corpus) and the budgets, each None for no limit: ``tokenizer_train_chars`` (train the
             BPE on the first N characters of train), ``max_train_docs`` (keep the first N train documents),

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench import build, checkpoint, data, dist, results
+from posbench import build, checkpoint, data, dist, passkey, results
 from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize,
                              scheme_schema, to_dict)
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.schemes import SCHEMES
-from posbench.train_job import prepare_data
+from posbench.train_job import needle_of, prepare_data
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class EvalJob:
         model: the model, built with the changed options, the trained weights loaded, on the CPU.
         overrides: the scheme options that differ from the trained model's spec (``{}``: the model as trained).
         run_dir: the run folder. device, threads: where to compute (``device`` checked, not yet resolved).
+        needle: the passkey format when ``eval.probes`` has passkey (posbench/passkey.py), else None.
     """
 
     config: DictConfig
@@ -52,6 +53,7 @@ class EvalJob:
     run_dir: Path
     device: str
     threads: int | None
+    needle: passkey.Needle | None = None
 
     @cached_property
     def label(self) -> str:
@@ -85,7 +87,9 @@ def prepare(job: DictConfig) -> EvalJob:
     trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"])
     model = _trained_model(state, trained, overrides, given)
-    return EvalJob(cfg, state, prepare_data(cfg), model, overrides, Path(job.run), job.device, job.threads)
+    corpus = prepare_data(cfg)
+    needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
+    return EvalJob(cfg, state, corpus, model, overrides, Path(job.run), job.device, job.threads, needle)
 
 
 def run(job: EvalJob, progress=None) -> dict:
@@ -99,6 +103,9 @@ def run(job: EvalJob, progress=None) -> dict:
                     e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
     extra = {"scheme_overrides": job.overrides["scheme"]} if job.overrides else {}
     extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens") if job.state.get(k)})  # a fine-tuned run's
+    if job.needle:
+        extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey), e.split,
+                                          job.config.train.seq_len, device, e.batch_tokens, progress)
     rec = results.record(to_dict(job.config), rows, job.label, split=e.split, train_tokens=job.state.get("train_tokens"),
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)

@@ -5,16 +5,17 @@ weights loaded, and the lineage the new run records.
         train.schedule=constant train.weight_decay=0
 
 The new run's model starts from the parent's weights; its optimizer, schedule and step count start fresh, and its
-``train.*`` and scheme options are its own. The rules (docs/design.md §5.5), each checked by :func:`check` before
-anything is written:
+``train.*`` and scheme options are its own. The rules (docs/design.md §5.6), each checked by :func:`check_config`
+and :func:`check` before anything is written:
 
 * every weight outside the scheme fits exactly: the same ``model.*`` sizes (dropout may differ), vocabulary and
-  tokenizer (the data cache's key);
-* the scheme keeps its name, with new options where its trained tensors still fit (RoPE's ``scaling``, ``factor``,
-  ``original_length``; a learned table may grow: ``init_rows``), or changes as :data:`SCHEME_CHANGES` allows:
-  RoPE → NoPE, positions dropped after pretraining and recalibrated ("DroPE", 2025);
-* options left unset take the parent's resolved values, and derived ones are filled from the parent's L (RoPE's
-  ``original_length``: the length a scaling method scales from).
+  tokenizer (the tokenizer file's SHA-256);
+* the scheme keeps its name, and its options are the parent's except those its class lists as
+  ``fine_tune_options`` (RoPE's ``base``, ``scaling``, ``factor``, ``original_length``, YaRN's ramp; the learned
+  table's size, which may grow: ``init_rows``); or it changes as :data:`SCHEME_CHANGES` allows: RoPE → NoPE,
+  positions dropped after pretraining and recalibrated ("DroPE", 2025);
+* options left unset (None) take the parent's resolved values (a learned table keeps its size), and derived ones
+  are filled from the parent's L (RoPE's ``original_length``: the length a scaling method scales from).
 
 :func:`load` runs the same code on the real model that :func:`check` ran on the meta device.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +33,14 @@ from omegaconf import DictConfig, open_dict
 
 from posbench import build, checkpoint
 from posbench.build import MODEL_KEYS
-from posbench.config import ConfigError
+from posbench.config import ConfigError, to_dict
+from posbench.corpora import file_sha256
 from posbench.results import run_label
 from posbench.schemes import SCHEMES
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout",)  # model.* a fine-tune may change: no weight depends on it
+log = logging.getLogger("posbench")
 
 
 @dataclass(frozen=True)
@@ -100,36 +104,60 @@ def inherit(cfg: DictConfig, parent: Parent) -> None:
                 cfg.scheme[key] = value
 
 
-def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_key: str) -> None:
-    """Raise ConfigError unless the run of finished config ``cfg`` (model ``spec``, tokenizer ``tokenizer_key``)
-    can start from ``parent``: each message names the key and both values. The weights are loaded into the model
-    built on the meta device (:func:`load`), so what passes here loads in training."""
+def check_config(cfg: DictConfig, parent: Parent) -> None:
+    """Raise ConfigError unless the finished config ``cfg`` may start from ``parent``, by what the configs say
+    (before any data is read): the scheme's name, the model's sizes, the vocabulary size, and the scheme's
+    options (only its ``fine_tune_options`` may differ from the parent's). Each message names the key and both
+    values. Logs the scheme options that change."""
     where = f"init_from={cfg.init_from}"
-    old, new = parent.scheme["name"], spec["scheme"]["name"]
+    old, new = parent.scheme["name"], cfg.scheme.name
     if old != new and (old, new) not in SCHEME_CHANGES:
         raise ConfigError(f"scheme={new} but {where} was trained with scheme={old}: a fine-tune keeps the parent's "
-                          "scheme (its options may change) or drops RoPE's positions (scheme=nope after rope)")
+                          f"scheme (add scheme={old}; its options may change) or drops RoPE's positions (scheme=nope "
+                          "after rope)")
     parent_model = parent.spec["model"]
     for key in MODEL_KEYS:
-        if key not in FREE_MODEL_KEYS and spec["model"][key] != parent_model[key]:
-            raise ConfigError(f"model.{key}={spec['model'][key]} but {where} has model.{key}={parent_model[key]}: the "
+        if key not in FREE_MODEL_KEYS and cfg.model[key] != parent_model[key]:
+            raise ConfigError(f"model.{key}={cfg.model[key]} but {where} has model.{key}={parent_model[key]}: the "
                               "parent's weights would not fit")
+    theirs = parent.state["config"]["data"]["vocab_size"]
+    if cfg.data.vocab_size != theirs:
+        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} but {where} has data.vocab_size={theirs}: the "
+                          "parent's embeddings would not fit")
+    if old != new:
+        return
+    allowed = SCHEMES[new].fine_tune_options
+    changed = {k: (parent.scheme.get(k), v) for k, v in to_dict(cfg.scheme).items() if k != "name" and v != parent.scheme.get(k)}
+    for key, (was, now) in changed.items():
+        if key not in allowed:
+            raise ConfigError(f"scheme.{key}={now} but {where} has scheme.{key}={was}: a fine-tune of {new} may change "
+                              f"{', '.join(allowed) or 'none of its options'}; give scheme.{key}={was}")
+    if changed:
+        log.info("scheme options changed from the parent: %s", ", ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items()))
+
+
+def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_path: Path) -> None:
+    """Raise ConfigError unless the run (finished config ``cfg``, model ``spec``, the tokenizer at
+    ``tokenizer_path``) can start from ``parent``, once its data is prepared: the same tokenizer (the files' SHA-256;
+    the data cache's key when the parent's tokenizer file is gone), and the parent's weights loaded into the model
+    built on the meta device (:func:`load`), so that what passes here loads in training."""
+    where = f"init_from={cfg.init_from}"
+    recorded = parent.state.get("tokenizer") or {}
+    theirs = Path(recorded.get("path") or "/nonexistent")
+    mine, other = (file_sha256(tokenizer_path), file_sha256(theirs)) if theirs.is_file() else (
+        tokenizer_path.parent.name.rsplit("-", 1)[-1], recorded.get("key"))
+    if mine != other:
+        raise ConfigError(f"data={cfg.data.name} gives the tokenizer {mine[:16]} but {where} was trained with the "
+                          f"tokenizer {str(other)[:16]} (data={parent.state['config']['data']['name']}): its token ids "
+                          "would not match")
     if spec["vocab_size"] != parent.state["vocab_size"]:
-        raise ConfigError(f"data.vocab_size={spec['vocab_size']} but {where} has data.vocab_size="
-                          f"{parent.state['vocab_size']}: the parent's embeddings would not fit")
-    theirs = (parent.state.get("tokenizer") or {}).get("key")
-    if theirs != tokenizer_key:
-        raise ConfigError(f"data={cfg.data.name} has tokenizer {tokenizer_key} but {where} was trained with tokenizer "
-                          f"{theirs} (data={parent.state['config']['data']['name']}): its token ids would not match")
+        raise ConfigError(f"the tokenizer has {spec['vocab_size']} tokens but {where} has {parent.state['vocab_size']}")
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build.build_model(spec)
     try:
         load(model, parent, cfg.init_rows, cfg.train.seq_len, device="meta")
     except ValueError as e:
-        changed = [f"scheme.{k}={v} (parent: {parent.scheme.get(k)})" for k, v in spec["scheme"].items()
-                   if k != "name" and v != parent.scheme.get(k)]
-        misfit = "shape" in str(e) and changed  # a tensor of another shape: the options that made it
-        raise ConfigError(f"{where}: {e}" + (f"; changed: {', '.join(changed)}" if misfit else "")) from None
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def load(model: torch.nn.Module, parent: Parent, rows: str, new_length: int, device="cpu") -> None:

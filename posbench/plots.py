@@ -1,12 +1,14 @@
-"""The report's two plots, drawn from what they are given (posbench/compare.py computes it, posbench/report.py
-calls :func:`draw`):
+"""The report's plots, drawn from what they are given (posbench/compare.py and posbench/retrieval.py compute it,
+posbench/report.py calls the functions here):
 
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands;
 * ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds;
 * ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
-  evaluation length against fine-tuning tokens, one line per method.
+  evaluation length against fine-tuning tokens, one line per method;
+* ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (:func:`draw_passkey`, when runs were probed) — retrieval
+  accuracy against needle-to-query distance / L, and by needle depth × length.
 
-Both mark the train length L and give each setting one colour. matplotlib is imported when a plot is drawn, so
+The first two mark the train length L and give each setting one colour. matplotlib is imported when a plot is drawn, so
 the rest of posbench starts without it.
 """
 
@@ -80,6 +82,50 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[str, tuple[list, list, list]],
+                 order: list[str]) -> dict[str, Path]:
+    """Write the passkey probe's plots; return their paths.
+
+    * ``passkey_vs_distance.png``: exact-match accuracy against needle-to-query distance in units of L (log2 x),
+      one line per row label (``distance``: {label: (distances / L, accuracy)}), L marked at 1;
+    * ``passkey_heatmap.png``: per row label, accuracy by needle depth (rows) × probe length (columns)
+      (``depth``: {label: (depths, lengths, accuracy[depth][length])})."""
+    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+
+    style = _styles(order)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setting, (xs, ys) in distance.items():
+        ax.plot(xs, ys, marker="o", label=setting, **style[setting])
+    ax.axvline(1.0, color="grey", linestyle="--", label="distance = L")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03),
+           title="Passkey retrieval vs distance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "passkey_vs_distance.png", dpi=110)
+    plt.close(fig)
+
+    n = len(depth)
+    cols = min(4, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, (setting, (depths, lengths, grid)) in zip(axes.flat, depth.items()):
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_title(setting, fontsize=8)
+        ax.set(xlabel="length", ylabel="depth")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="exact-match accuracy")
+    fig.savefig(out / "passkey_heatmap.png", dpi=110)
+    plt.close(fig)
+    return {"passkey_vs_distance": out / "passkey_vs_distance.png", "passkey_heatmap": out / "passkey_heatmap.png"}
 
 
 def _finish(plt, fig, ax, train_length: int, path: Path) -> None:

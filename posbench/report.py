@@ -9,7 +9,9 @@
 * ``report.csv`` — the same numbers and tests, long format;
 * ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/plots.py), of one evaluation setting (validation
   split and the nonoverlapping protocol when present), and ``ppl_vs_finetune.png`` when fine-tuned runs
-  (``init_from``: ``ft512×200`` rows, with a column of train tokens) are among them.
+  (``init_from``: ``ft512×200`` rows, with a column of train tokens) are among them;
+* with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/retrieval.py),
+  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png``.
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -20,7 +22,7 @@ import csv
 import logging
 from pathlib import Path
 
-from posbench import compare, plots, stats
+from posbench import compare, plots, retrieval, stats
 from posbench.results import split_text
 
 log = logging.getLogger("posbench")
@@ -78,6 +80,39 @@ def _tokens(r: dict) -> str:
     return show(r.get("train_tokens")) + (f" / {show(r['total_train_tokens'])}" if r.get("total_train_tokens") else "")
 
 
+PASSKEY_COLUMNS = ["setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
+                   "ranked", "best", "p_value", "star"]
+
+
+def passkey_table(cells: list[dict], records: list[dict]) -> str:
+    """The passkey probe's table (posbench/retrieval.py): rows × probe lengths, cells exact-match accuracy with its
+    Wilson 95% interval and ★ (exact McNemar against the column's best ranked row), the accuracy within L; a row
+    below the threshold within L is marked and not ranked past L."""
+    lengths = sorted({c["length"] for c in cells})
+    settings = list(dict.fromkeys(c["setting"] for c in cells))
+    probe = max((r["passkey"]["settings"] for r in records if r.get("passkey")), key=lambda p: p["trials"])
+    lines = ["| | " + " | ".join(map(str, lengths)) + " | within L | gain at " + str(lengths[-1]) + " |",
+             "|---" * (len(lengths) + 3) + "|"]
+    for setting in settings:
+        mine = {c["length"]: c for c in cells if c["setting"] == setting}
+        any_cell = next(iter(mine.values()))
+        row = [f"{mine[n]['accuracy']:.0%} ({mine[n]['ci_low']:.0%}–{mine[n]['ci_high']:.0%})" + (" ★" if mine[n]["star"] else "")
+               if n in mine else "" for n in lengths]
+        within = "–" if any_cell["within_L"] is None else f"{any_cell['within_L']:.0%}"
+        label = setting + ("" if any_cell["valid"] else " (does not retrieve within L)")
+        gain = f"{mine[lengths[-1]]['gain']:+.2f}" if lengths[-1] in mine else ""
+        lines.append(f"| {label} | " + " | ".join(row) + f" | {within} | {gain} |")
+    n = max(c["n"] for c in cells)
+    note = (f"Exact match of the {probe['key_length']}-token key, % of up to {n} trials per cell ({probe['trials']} per "
+            f"depth × {len(probe['depths'])} depths {list(probe['depths'])}, the same windows for every row), with the Wilson 95% "
+            f"interval (Wilson 1927). ★: the best ranked row of the column, or not significantly worse than it by the "
+            f"exact McNemar test over the shared trials (McNemar 1947; two-sided p ≥ {stats.ALPHA}). Within L: accuracy "
+            f"over the trials whose needle-to-query distance is ≤ L; below {probe['threshold']:.0%} the row does not "
+            "retrieve within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the "
+            "same key's when the needle held another key (0: the context is not used).")
+    return "\n".join([*lines, "", note])
+
+
 # ---- files ---------------------------------------------------------------------------------------
 
 
@@ -99,6 +134,14 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     first = [r for r in rows if r["table"] == 1]  # the plotted table: validation split, nonoverlapping when present
     images = plots.draw(out, train_length, table_title(first[0]), first, compare.position_curves(records, rows),
                         compare.setting_order(records))
+    probe_cells = retrieval.cells(records)
+    if probe_cells:
+        with open(out / "passkey.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, PASSKEY_COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(probe_cells)
+        images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records),
+                                         compare.setting_order(records)))
     series = compare.finetune_series(rows)
     if series:
         images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(first[0]["lengths"]), table_title(first[0]))
@@ -111,13 +154,16 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
                 ("Skipped", skipped)]
     text = (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
             + ("Fine-tuned runs (started from a parent's weights, `init_from`) are labelled `ft<length>×<steps>`; L is "
-               "their parent's, and their budget is in the tokens column.\n\n" if series else "")
+               "that of the first run of their line (the parent's), and their budget is in the tokens column.\n\n" if series else "")
             + f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
             "and per value of every other setting that differs between runs. Each cell is the perplexity exp(mean NLL "
             "over seeds), NLL in nats/token, ± the standard deviation over seeds of the per-seed perplexity; ★ marks "
             "the best cell of a column and those not significantly worse (the test is named under each table).\n\n"
             f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n"
             + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if series else "")
+            + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_table(probe_cells, records)}\n\n"
+               "![passkey accuracy vs distance](passkey_vs_distance.png)\n![passkey depth x length](passkey_heatmap.png)\n"
+               if probe_cells else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
                       if lines or head == "Settings held fixed"))
     (out / "report.md").write_text(text)

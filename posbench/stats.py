@@ -51,6 +51,22 @@ def paired_bootstrap(nll_a: list[float], nll_b: list[float], tokens: list[int], 
     return float(low), float(high)
 
 
+def wilson(successes: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """The Wilson score interval (Wilson 1927) of a proportion ``successes`` / ``n`` at confidence ``level``."""
+    from scipy.stats import binomtest  # here, not at the top: only a report with a probe needs it
+
+    ci = binomtest(successes, n).proportion_ci(confidence_level=level, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided p-value of the exact McNemar test (McNemar 1947) on paired binary outcomes: ``b`` pairs where only
+    the first is right, ``c`` where only the second is; the binomial test of b in b + c at ½ (1 when b + c = 0)."""
+    from scipy.stats import binomtest  # (see wilson)
+
+    return 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
+
+
 def window_sums(runs: list[tuple[list[float], list[int]] | None]) -> tuple[list[float], list[int]] | None:
     """A row's per-window NLL sums (nats) averaged over its seeds and the windows' token counts, from each
     seed's (``window_nll``, ``window_tokens``); None when a seed lacks them or the seeds scored other windows."""

@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import build, checkpoint, dist, lineage, results
+from posbench import build, checkpoint, dist, lineage, passkey, results
 from posbench.config import to_dict
 from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.device import resolve_device, set_threads
@@ -80,12 +80,12 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     tracker, config = tracker or Tracker(False, out_dir, ""), to_dict(cfg)
     proc = start_process(t.device, t.threads, cfg.seed)
     model = build.build_model(job.spec).to(proc.device)
-    if job.parent:  # a run started from a parent's weights (a resumed one then takes its training state's)
+    if job.parent and job.state is None:  # a run started from a parent's weights (a resumed one takes its state's)
         lineage.load(model, job.parent, cfg.init_rows, t.seq_len, proc.device)
         log.info("starting from the weights of %s (%s, step %s)", job.parent.path, job.lineage["label"], job.lineage["step"])
     seed_rank(cfg.seed, proc.rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
     optimizer = make_optimizer(model, t, fused=proc.device.type == "cuda")
-    states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device)
+    states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device, job.lineage)
     progress = states.start(job.state, model, optimizer, fresh=cfg.resume == "never")
     if progress.resumed_from:
         log.info("resumed from the checkpoint at step %d in %s", progress.step, out_dir / checkpoint.STATES)
@@ -111,11 +111,16 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     rows = evaluate(model, job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride, e.max_tokens,
                     e.batch_tokens, proc.device, progress=log.info if proc.rank == 0 else None, rank=proc.rank,
                     world=proc.world)
+    if "passkey" in e.probes:  # (every rank probes the same model; rank 0 writes)
+        extra = {"passkey": passkey.record(model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey), e.split,
+                                           t.seq_len, proc.device, e.batch_tokens, log.info if proc.rank == 0 else None)}
+    else:
+        extra = {}
     record = results.record(config, rows, job.label, split=e.split, scored_split=job.corpus.same_as.get(e.split, e.split),
                             train_tokens=progress.tokens, train_seconds=wall, device=str(proc.device),
                             threads=proc.threads, world_size=proc.world, world_sizes=progress.world_sizes,
                             status="complete", final_loss=progress.loss if math.isfinite(progress.loss) else None,
-                            param_sha256=digests, resumed_from=progress.resumed_from, **lineage_fields(job, progress.tokens))
+                            param_sha256=digests, resumed_from=progress.resumed_from, **lineage_fields(job, progress.tokens), **extra)
     dist.main_only(lambda: write_outputs(job, model, config, record, tracker))
     return record
 
@@ -184,7 +189,8 @@ class Loop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = (b.to(self.proc.device, non_blocking=True)
-                for b in get_batch(self.job.corpus.tokens["train"], i, seed, t.batch_size, t.seq_len, self.proc.rank))
+                for b in get_batch(self.job.corpus.tokens["train"], i, seed, t.batch_size, t.seq_len, self.proc.rank,
+                                   self.job.needle, self.job.config.data.passkey_rate))
         with self.autocast:
             loss = self.forward(x, targets=y).mean()  # mean NLL over the batch's B·L targets
         self.optimizer.zero_grad(set_to_none=True)
@@ -221,10 +227,11 @@ class Loop:
 
 def lineage_fields(job: TrainJob, tokens: int) -> dict:
     """A fine-tuned run's ``lineage`` (posbench/lineage.py) and ``total_train_tokens`` (the parent's total + its
-    own ``tokens``), for its record and checkpoint; {} for a run trained from scratch."""
+    own ``tokens``; None when the parent's is unknown), for its record and checkpoint; {} for a run from scratch."""
     if not job.lineage:
         return {}
-    return {"lineage": job.lineage, "total_train_tokens": (job.lineage["total_train_tokens"] or 0) + tokens}
+    total = job.lineage["total_train_tokens"]
+    return {"lineage": job.lineage, "total_train_tokens": None if total is None else total + tokens}  # (None: unknown)
 
 
 def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: dict, tracker: Tracker) -> None:
@@ -235,16 +242,24 @@ def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: d
                     train_tokens=record["train_tokens"], **lineage_fields(job, record["train_tokens"]))
     results.write_results(job.run_dir, record)
     tracker.log_eval(record["results"])
+    if record.get("passkey"):  # exact-match accuracy per probe length: the report's numbers, per run
+        tracker.summary(**{f"passkey/accuracy@{n}": a for n, a in passkey.accuracy(record["passkey"]["trials"]).items()})
     print(results.run_table(record), flush=True)
 
 
-def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int, rank: int = 0):
+def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int, rank: int = 0,
+              needle: passkey.Needle | None = None, passkey_rate: float = 0.0):
     """Batch ``step``: ``batch_size`` random crops of ``seq_len`` + 1 tokens, a pure function of (seed, step, rank).
+    With ``passkey_rate`` > 0, each crop gets a needle + query pair with that probability (posbench/passkey.py
+    ``insert``, from a generator of its own: the crops are those of a run without needles).
 
     Returns (x, y), each (B, L) int64, y = x shifted by one token.
     """
     starts = np.random.default_rng([seed, step, rank]).integers(0, len(tokens) - seq_len - 1, batch_size)
-    crops = torch.from_numpy(np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64))  # (B, L+1)
+    crops = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)  # (B, L+1)
+    if passkey_rate > 0:
+        passkey.insert(crops, needle, passkey_rate, np.random.default_rng([seed, step, rank, 1]))
+    crops = torch.from_numpy(crops)
     return crops[:, :-1], crops[:, 1:]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from posbench import build, data, dist, lineage, memory
+from posbench import build, data, dist, lineage, memory, passkey
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.device import resolve_device
 from posbench.evaluate import span
@@ -40,6 +40,8 @@ class TrainJob:
             names its folder).
         state: the training state to resume in ``run_dir`` (``resume=auto``), or None.
         parent: the run whose weights this one starts from (``init_from``: posbench/lineage.py), or None.
+        needle: the passkey format (posbench/passkey.py) when the run trains with needles (``data.passkey_rate``)
+            or probes with them (``eval.probes=[passkey]``), else None.
     """
 
     config: DictConfig
@@ -48,11 +50,15 @@ class TrainJob:
     run_dir: Path | None = None
     state: dict | None = None
     parent: lineage.Parent | None = None
+    needle: passkey.Needle | None = None
 
     @cached_property
     def lineage(self) -> dict | None:
-        """What the run records of its parent (``posbench.lineage.Parent.lineage``), or None."""
-        return self.parent.lineage(self.config.init_rows) if self.parent else None
+        """What the run records of its parent (``posbench.lineage.Parent.lineage``; a resumed run: what its training
+        state recorded when it started), or None."""
+        if not self.parent:
+            return None
+        return (self.state or {}).get("lineage") or self.parent.lineage(self.config.init_rows)
 
     @cached_property
     def label(self) -> str:
@@ -74,10 +80,12 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
     if parent:
         lineage.inherit(cfg, parent)
     finalize(cfg, trained_length=parent.length if parent else None)
+    if parent:  # before the data: a refused run leaves no cache behind
+        lineage.check_config(cfg, parent)
     corpus = prepare_data(cfg)
-    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size), parent=parent)
+    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size), parent=parent, needle=needle_of(cfg, corpus))
     if parent:
-        lineage.check(cfg, parent, job.spec, corpus.key)
+        lineage.check(cfg, parent, job.spec, corpus.tokenizer_path)
     if not _on_cuda(job):  # a GPU's free memory is read in the process that trains, on its own GPU: in_folder
         check_memory(job)
     return job if run_dir is None else in_folder(job, run_dir)
@@ -115,7 +123,26 @@ def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
         return job
     if _on_cuda(job):
         check_memory(job)
+    if job.parent and job.parent.path.parent.resolve() == run_dir.resolve():
+        raise ConfigError(f"init_from={job.config.init_from} is this run's own folder: a run starts from another run's "
+                          "weights; choose a new folder with hydra.run.dir=DIR")
     return dataclasses.replace(job, run_dir=run_dir, state=resume_state(job.config, run_dir))
+
+
+def needle_of(cfg: DictConfig, corpus: data.Corpus) -> passkey.Needle | None:
+    """The passkey needle of ``cfg.eval.passkey`` in the corpus's tokenizer when the job trains or probes with it,
+    else None. Raises ConfigError: options the tokenizer cannot serve (``posbench.passkey.make_needle``) or probe
+    lengths too short for a needle and a query."""
+    p = cfg.eval.passkey
+    if not (cfg.data.get("passkey_rate") or "passkey" in cfg.eval.probes):
+        return None
+    try:
+        needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], p.marker, p.end, p.key_length, p.key_vocab)
+        if "passkey" in cfg.eval.probes:
+            passkey.trials(len(corpus.tokens[cfg.eval.split]), needle, list(p.lengths), list(p.depths), 1, p.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return needle
 
 
 def prepare_data(cfg: DictConfig) -> data.Corpus:

@@ -104,10 +104,12 @@ class TrainingStates:
         config: the run's resolved config (a plain dict), recorded in every state.
         keep: newest states kept (``train.keep_checkpoints``).
         device: the training device (its generator state is saved and restored on CUDA).
+        lineage: a run started from a parent's weights: its lineage (posbench/lineage.py), recorded in every state so
+            that a resumed run reports the parent it started from, whatever has become of that parent since.
     """
 
-    def __init__(self, out_dir: Path, config: dict, keep: int, device: torch.device):
-        self.out_dir, self.config, self.keep, self.device = Path(out_dir), config, keep, device
+    def __init__(self, out_dir: Path, config: dict, keep: int, device: torch.device, lineage: dict | None = None):
+        self.out_dir, self.config, self.keep, self.device, self.lineage = Path(out_dir), config, keep, device, lineage
 
     def start(self, state: dict | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               fresh: bool) -> Progress:
@@ -145,7 +147,7 @@ class TrainingStates:
             "format": checkpoint.FORMAT, "step": progress.step, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "rng_by_rank": rngs, "train_tokens": progress.tokens,
             "train_seconds": progress.elapsed(), "loss": progress.loss, "world_sizes": progress.world_sizes,
-            "config": self.config}, self.keep))
+            "config": self.config, **({"lineage": self.lineage} if self.lineage else {})}, self.keep))
 
     @contextmanager
     def metrics(self, step0: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,10 +126,12 @@ def test_rope_to_nope_keeps_every_weight_and_drops_positions(run_cli, data_cache
 
 @pytest.fixture
 def other_tokenizer(parents, tmp_path):
-    """A copy of the rope parent whose recorded tokenizer key is another one."""
+    """A copy of the rope parent trained (so its checkpoint says) with another tokenizer: a file one byte longer."""
     state = torch.load(parents["rope"] / "checkpoint.pt", map_location="cpu", weights_only=True)
-    state["tokenizer"] = {**state["tokenizer"], "key": "0123456789abcdef"}
     (tmp_path / "other").mkdir()
+    tokenizer = tmp_path / "other" / "tokenizer.json"
+    tokenizer.write_bytes(open(state["tokenizer"]["path"], "rb").read() + b" ")
+    state["tokenizer"] = {**state["tokenizer"], "path": str(tokenizer)}
     torch.save(state, tmp_path / "other" / "checkpoint.pt")
     return tmp_path / "other"
 
@@ -140,7 +143,11 @@ REFUSALS = [
     ("rope", ["data.vocab_size=2048"], r"data.vocab_size=2048 but init_from=\S+ has data.vocab_size=4096"),
     ("rope", ["init_rows=interpolate"], r"init_rows=interpolate: the RoPE scheme has no position table"),
     ("learned", ["scheme=learned", "scheme.max_positions=48", "train.seq_len=32", "eval.lengths=[32,48]"], r"max_positions=48: the parent's table has 64 rows"),
-    ("t5", ["scheme=t5", "scheme.num_buckets=16"], r"scheme.num_buckets=16 \(parent: 32\)"),
+    ("t5", ["scheme=t5", "scheme.num_buckets=16"], r"scheme.num_buckets=16 but init_from=\S+ has scheme.num_buckets=32"),
+    ("rope", ["scheme.rotary_fraction=0.5"], r"scheme.rotary_fraction=0.5 but init_from=\S+ has scheme.rotary_fraction=1.0: "
+                                             r"a fine-tune of rope may change base, scaling"),
+    ("learned", ["scheme=learned", "init_rows=interpolate", "scheme.max_positions=48", "train.seq_len=32",
+                 "eval.lengths=[32,48]"], r"max_positions=48: the parent's table has 64 rows"),
     ("missing", [], r"init_from='\S+': no checkpoint.pt there"),
     (None, ["train.steps=0"], r"train.steps=0 needs init_from=<run folder>"),
     (None, ["init_rows=interpolate"], r"init_rows=interpolate applies to a run started from a parent"),
@@ -149,7 +156,6 @@ REFUSALS = [
 
 @pytest.mark.parametrize("parent, overrides, message", REFUSALS, ids=[" ".join(r[1]) or r[0] for r in REFUSALS])
 def test_refusals_exit_2_with_nothing_written(run_cli, data_cache, parents, tmp_path, parent, overrides, message):
-    import re
 
     run = tmp_path / "ft"
     run.mkdir()
@@ -160,6 +166,33 @@ def test_refusals_exit_2_with_nothing_written(run_cli, data_cache, parents, tmp_
     assert re.search(message, line), line
     if parent in parents:  # the parent is untouched too
         assert (parents[parent] / "checkpoint.pt").exists()
+    if "vocab_size" in " ".join(overrides):  # refused before the data: no cache of another vocabulary was built
+        assert not any("-" in p.name and p.is_dir() and json.loads((p / "meta.json").read_text())["vocab_size"] == 2048
+                       for p in data_cache.iterdir() if (p / "meta.json").exists())
+
+
+def test_a_parents_option_is_not_silently_replaced_by_a_default(run_cli, data_cache, tmp_path):
+    """A parent trained with a non-default option: a child that leaves it at the default is refused, naming both."""
+    parent = tmp_path / "parent"
+    assert run_into(run_cli, data_cache, parent, "scheme=xpos", "scheme.gamma=0.8").returncode == 0
+    run = tmp_path / "ft"
+    run.mkdir()
+    before = snapshot(run)
+    line = refused(run_into(run_cli, data_cache, run, f"init_from={parent}", "scheme=xpos", *FT), run, before)
+    assert re.search(r"scheme.gamma=0.4 but init_from=\S+ has scheme.gamma=0.8: .*give scheme.gamma=0.8", line), line
+    ok = run_into(run_cli, data_cache, tmp_path / "ok", f"init_from={parent}", "scheme=xpos", "scheme.gamma=0.8", *FT,
+                  "train.steps=0")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_a_run_cannot_start_from_its_own_folder(run_cli, data_cache, parents, tmp_path):
+    import shutil
+
+    run = tmp_path / "own"
+    shutil.copytree(parents["rope"], run)
+    before = snapshot(run)
+    line = refused(run_into(run_cli, data_cache, run, f"init_from={run}", *FT, "resume=never"), run, before)
+    assert "is this run's own folder" in line, line
 
 
 def test_a_different_tokenizer_is_refused(run_cli, data_cache, other_tokenizer, tmp_path):
@@ -167,7 +200,7 @@ def test_a_different_tokenizer_is_refused(run_cli, data_cache, other_tokenizer, 
     run.mkdir()
     before = snapshot(run)
     line = refused(run_into(run_cli, data_cache, run, f"init_from={other_tokenizer}", *FT), run, before)
-    assert "was trained with tokenizer 0123456789abcdef" in line and "token ids would not match" in line, line
+    assert "was trained with the tokenizer" in line and "token ids would not match" in line, line
 
 
 # ---- lineage: results.json, the report -----------------------------------------------------------------------

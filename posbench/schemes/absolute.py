@@ -65,6 +65,7 @@ class Learned(PositionalScheme):
     """
 
     weight_decay = True
+    fine_tune_options = ("max_positions",)  # the table may grow (adopt)
 
     @dataclasses.dataclass
     class Config(PositionalScheme.Config):
@@ -102,11 +103,11 @@ class Learned(PositionalScheme):
         rows it trained), linear between rows ⌊x⌋ and ⌈x⌉ (the last trained row, L − 1, where ⌈x⌉ reaches L);
         rows L'…N'−1 stay as initialised."""
         old, new = trained["table.weight"], self.table.weight  # (N, D), (N', D)
+        if old.shape[0] > new.shape[0]:
+            raise ValueError(f"max_positions={new.shape[0]}: the parent's table has {old.shape[0]} rows, and a "
+                             f"fine-tune keeps or grows it (max_positions >= {old.shape[0]})")
         with torch.no_grad():
             if rows == "scheme":
-                if old.shape[0] > new.shape[0]:
-                    raise ValueError(f"max_positions={new.shape[0]}: the parent's table has {old.shape[0]} rows, and a "
-                                     f"fine-tune keeps or grows it (max_positions >= {old.shape[0]})")
                 new[: old.shape[0]].copy_(old)
             elif rows == "interpolate":
                 x = torch.arange(min(new_length, new.shape[0]), dtype=torch.float64, device=old.device) * trained_length / new_length  # (L',)

@@ -61,6 +61,9 @@ class PositionalScheme(nn.Module):
             across a query's row, so the key-only bias ``score_mod(0, h, c, k_pos)`` gives the same
             attention; the kernel may fold it into one extra head dimension of q and k.
         weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
+        fine_tune_options: the options a run started from this scheme's trained weights (``init_from``,
+            posbench/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
+            options; the learned table's size. Any other difference is refused.
 
     Args:
         d_model: model width D.
@@ -71,6 +74,7 @@ class PositionalScheme(nn.Module):
     has_bias: bool = False
     key_only_bias: bool = False
     weight_decay: bool = False
+    fine_tune_options: tuple[str, ...] = ()  # options a run started from this scheme's weights may change (init_from)
 
     @dataclasses.dataclass
     class Config:

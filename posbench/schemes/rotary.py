@@ -101,6 +101,8 @@ class _Rotary(PositionalScheme):
     Raises ValueError when a method is chosen but ``original_length`` was never filled with the train length."""
 
     Config = RotaryConfig
+    fine_tune_options = ("base", "scaling", "factor", "beta_fast", "beta_slow", "original_length", "yarn_ramp")  # the
+    # context-extension methods: a new base (Xiong et al. 2023's ABF), PI, NTK, YaRN
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)

@@ -1,0 +1,208 @@
+"""The passkey retrieval probe (Mohtashami & Jaggi 2023): does a model find a key it saw far back in its window?
+
+A window of T tokens is contiguous text of the evaluation split (the haystack) with a needle inserted at depth d:
+the marker phrase, a key of k tokens, the end mark; the window ends with the marker phrase again, then the key.
+The key's tokens in that query are scored teacher-forced (docs/design.md §6.4):
+
+* exact match: every key token is the model's argmax given the window before it;
+* the key's mean log-probability (nats per key token);
+* the retrieval gain: that log-probability minus the same key's log-probability in the window whose needle held
+  another random key (the control for the model's prior on those tokens).
+
+Trials are a pure function of (seed, T, trial index) and the tokenizer, so every scheme trained on the same corpus
+is probed on the same windows, and cells pair across schemes. The same needle format serves training
+(``data.passkey_rate``: :func:`insert`), with fresh keys and needle-to-query distances within the window.
+
+    needle = make_needle(tokenizer_path, train_tokens, " The pass key is", ".", key_length=4, key_vocab=100)
+    rows = probe(model, eval_tokens, needle, lengths=[128, 256], depths=[0, 0.5, 1], trials=20, seed=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class Needle:
+    """The probe's token format: ``marker`` and ``end`` (token ids), the key vocabulary ``keys`` (K,) and the key
+    length k. A needle is marker + key + end (:attr:`needle_length` tokens), a query marker + key."""
+
+    marker: tuple[int, ...]
+    end: tuple[int, ...]
+    keys: tuple[int, ...]
+    k: int
+
+    @property
+    def needle_length(self) -> int:
+        return len(self.marker) + self.k + len(self.end)
+
+    @property
+    def query_length(self) -> int:
+        return len(self.marker) + self.k
+
+    def draw_key(self, rng: np.random.Generator) -> np.ndarray:
+        """k token ids drawn uniformly, with replacement, from the key vocabulary: (k,) int64."""
+        return np.asarray(self.keys, dtype=np.int64)[rng.integers(0, len(self.keys), self.k)]
+
+
+def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str, key_length: int, key_vocab: int) -> Needle:
+    """The needle format of a corpus's tokenizer. The key vocabulary is the ``key_vocab`` most frequent whole-word
+    tokens of the train split (a byte-level BPE token for a space then three or more letters, e.g. ``Ġthe``),
+    none of them a token of the marker or the end mark, so keys are ordinary tokens the model can emit.
+
+    Raises ValueError (``eval.passkey.<option>=<value>: …``): ``key_length`` < 1, fewer than ``key_length``
+    whole-word tokens in the vocabulary, or a marker or end mark that the tokenizer cannot encode and decode back
+    (or that is empty)."""
+    if key_length < 1:
+        raise ValueError(f"eval.passkey.key_length={key_length}: a key needs at least one token")
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    ids = {}
+    for name, text in (("marker", marker), ("end", end)):
+        enc = tok.encode(text).ids
+        if not text or tok.decode(enc) != text:
+            raise ValueError(f"eval.passkey.{name}={text!r}: the run's tokenizer cannot encode it (it decodes back as "
+                             f"{tok.decode(enc)!r}); choose text in the corpus's alphabet")
+        ids[name] = tuple(enc)
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=tok.get_vocab_size())
+    reserved = set(ids["marker"]) | set(ids["end"])
+    words = [i for i in np.argsort(-counts, kind="stable") if counts[i] > 0 and i not in reserved
+             and _whole_word(tok.id_to_token(int(i)))]
+    if key_vocab < key_length or len(words) < key_vocab:
+        raise ValueError(f"eval.passkey.key_vocab={key_vocab}: the key vocabulary must hold at least key_length="
+                         f"{key_length} tokens and at most the {len(words)} whole-word tokens of the tokenizer")
+    return Needle(ids["marker"], ids["end"], tuple(int(i) for i in words[:key_vocab]), key_length)
+
+
+def _whole_word(token: str | None) -> bool:
+    return bool(token) and token.startswith("Ġ") and len(token) >= 4 and token[1:].isalpha() and token[1:].isascii()
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One probe window: evaluation length T, needle depth d, trial index, the haystack's ``offset`` in the split, the
+    needle's first token ``position``, the key and the control's ``other`` key (k,), and ``distance``: tokens from the
+    needle's key to the query's key (the query key starts at T − k, the needle key at position + len(marker))."""
+
+    length: int
+    depth: float
+    index: int
+    offset: int
+    position: int
+    key: tuple[int, ...]
+    other: tuple[int, ...]
+    distance: int
+
+
+def trials(n_tokens: int, needle: Needle, lengths: list[int], depths: list[float], n: int, seed: int) -> list[Trial]:
+    """The probe's trials: for each length T, trial i draws (from ``default_rng([seed, T, i])``) the haystack offset
+    in [0, n_tokens − H] (H = T − needle − query tokens), the key, then the other key (redrawn until it differs);
+    each depth d puts the needle at round(d·H). Raises ValueError: a T too short for a needle and a query (H < 0),
+    or a split shorter than a haystack."""
+    out = []
+    for length in lengths:
+        hay = length - needle.needle_length - needle.query_length
+        if hay < 0:
+            raise ValueError(f"evaluation length {length} is shorter than a needle and a query "
+                             f"({needle.needle_length + needle.query_length} tokens): probe longer lengths "
+                             "(eval.passkey.lengths) or a shorter marker or key")
+        if n_tokens < hay:
+            raise ValueError(f"the evaluation split has {n_tokens} tokens, fewer than a haystack of {hay} at length {length}")
+        for i in range(n):
+            rng = np.random.default_rng([seed, length, i])
+            offset = int(rng.integers(0, n_tokens - hay + 1))
+            key = needle.draw_key(rng)
+            other = needle.draw_key(rng)
+            while np.array_equal(other, key):
+                other = needle.draw_key(rng)
+            for d in depths:
+                p = round(d * hay)
+                out.append(Trial(length, float(d), i, offset, p, tuple(key.tolist()), tuple(other.tolist()),
+                                 (length - needle.k) - (p + len(needle.marker))))
+    return out
+
+
+def window(tokens: np.ndarray, needle: Needle, trial: Trial, control: bool = False) -> np.ndarray:
+    """The trial's window, (T,) int64: haystack[:position] + marker + key + end + haystack[position:] + marker +
+    key; ``control``: the needle holds the trial's other key (the query still ends with its key)."""
+    hay = np.asarray(tokens[trial.offset: trial.offset + trial.length - needle.needle_length - needle.query_length],
+                     dtype=np.int64)
+    held = trial.other if control else trial.key
+    parts = [hay[: trial.position], needle.marker, held, needle.end, hay[trial.position:], needle.marker, trial.key]
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu", batch_tokens: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+    """Score the last k tokens of each window teacher-forced. windows: (N, T) int64 → (exact match (N,) bool: every
+    one of the k tokens is the argmax of the logits before it; log-probability (N,) float64: the mean over the k
+    tokens, nats)."""
+    n, length = windows.shape
+    correct, logp = np.zeros(n, dtype=bool), np.zeros(n)
+    per_batch = max(1, batch_tokens // length)
+    for b in range(0, n, per_batch):
+        x = torch.from_numpy(windows[b: b + per_batch]).to(device)  # (B, T)
+        logits = model(x[:, :-1])[:, -k:].float()  # (B, k, V): the positions that predict the key's k tokens
+        target = x[:, -k:]  # (B, k)
+        lp = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]  # (B, k)
+        correct[b: b + len(x)] = (logits.argmax(-1) == target).all(-1).cpu().numpy()
+        logp[b: b + len(x)] = lp.double().mean(-1).cpu().numpy()
+    return correct, logp
+
+
+def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: list[int], depths: list[float],
+          trials_per_cell: int, seed: int, device="cpu", batch_tokens: int = 16384, progress=None) -> list[dict]:
+    """Every trial of the probe scored: one dict per trial with ``length``, ``depth``, ``trial``, ``distance``
+    (tokens), ``correct`` (exact match), ``logp`` (mean key log-probability, nats/token) and ``gain`` (``logp`` minus
+    the control's). Raises ValueError as :func:`trials`."""
+    was_training = model.training
+    model.eval()
+    out = []
+    all_trials = trials(len(tokens), needle, lengths, depths, trials_per_cell, seed)
+    for length in lengths:
+        if progress:
+            progress(f"passkey probe at length {length}")
+        mine = [t for t in all_trials if t.length == length]
+        wins = np.stack([window(tokens, needle, t, control) for control in (False, True) for t in mine])  # (2N, T)
+        correct, logp = score(model, wins, needle.k, device, batch_tokens)
+        for i, t in enumerate(mine):
+            out.append({"length": t.length, "depth": t.depth, "trial": t.index, "distance": t.distance,
+                        "correct": bool(correct[i]), "logp": float(logp[i]), "gain": float(logp[i] - logp[len(mine) + i])})
+    model.train(was_training)
+    return out
+
+
+def record(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, settings: dict, split: str, train_length: int,
+           device="cpu", batch_tokens: int = 16384, progress=None) -> dict:
+    """What a results record holds of the probe (``passkey``): ``settings`` (``eval.passkey``'s, filled, with the
+    ``split`` probed and the run's ``train_length`` L) and every trial (:func:`probe`) on ``tokens``."""
+    trials_ = probe(model, tokens, needle, list(settings["lengths"]), list(settings["depths"]), settings["trials"],
+                    settings["seed"], device, batch_tokens, progress)
+    return {"settings": {**settings, "split": split, "train_length": train_length}, "trials": trials_}
+
+
+def accuracy(trials_: list[dict]) -> dict[int, float]:
+    """{length: exact-match accuracy} of scored trials (:func:`probe`'s)."""
+    lengths = sorted({t["length"] for t in trials_})
+    return {n: float(np.mean([t["correct"] for t in trials_ if t["length"] == n])) for n in lengths}
+
+
+def insert(crops: np.ndarray, needle: Needle, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Training windows with needle + query pairs (``data.passkey_rate``): each of the (B, W) ``crops`` gets one with
+    probability ``rate``, overwriting its tokens: a fresh key, the query at b uniform in [needle, W − query], the
+    needle at a uniform in [0, b − needle] (so the needle-to-query distance stays within the window). Returns
+    ``crops`` (changed in place). Windows shorter than a needle and a query are left as they are."""
+    width = crops.shape[1]
+    last = width - needle.query_length
+    for row in np.flatnonzero(rng.random(len(crops)) < rate):
+        if last < needle.needle_length:
+            break
+        key = needle.draw_key(rng)
+        b = int(rng.integers(needle.needle_length, last + 1))
+        a = int(rng.integers(0, b - needle.needle_length + 1))
+        crops[row, a: a + needle.needle_length] = [*needle.marker, *key, *needle.end]
+        crops[row, b: b + needle.query_length] = [*needle.marker, *key]
+    return crops
