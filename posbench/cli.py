@@ -148,6 +148,7 @@ def _eval(cfg: DictConfig) -> None:
         tracker = Tracker.from_config(job.config, job.run_dir, "eval", config=rec["config"],
                                       name=f"{rec['label']} {rec['protocol']} {rec['split']}")
         tracker.log_eval(rec["results"])
+        tracker.log_probe(rec.get("passkey"))
         tracker.finish()
 
 

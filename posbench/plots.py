@@ -113,7 +113,7 @@ def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[
     n = len(depth)
     cols = min(4, n)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False, layout="constrained")
     for ax, (setting, (depths, lengths, grid)) in zip(axes.flat, depth.items()):
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)

@@ -38,7 +38,8 @@ def cells(records: list[dict]) -> list[dict]:
     Wilson 95% interval (``ci_low``, ``ci_high``), ``gain`` (mean retrieval gain, nats/token), the row's
     ``within_L`` accuracy (trials with distance ≤ L, every length) and ``valid`` (``within_L`` ≥ the threshold),
     ``ranked`` (valid, or the length ≤ L), ``best`` and ``p_value`` (exact McNemar against the best ranked row of
-    that length over the trials both hold; None untested) and ``star`` (best, or p ≥ 0.05). [] without probes."""
+    that length over the trials both hold; None untested) and ``star`` (best, or p ≥ 0.05; none in a column where
+    no ranked row retrieved a key). [] without probes."""
     out = []
     rows = _trials(records)
     for setting, row in rows.items():
@@ -55,7 +56,7 @@ def cells(records: list[dict]) -> list[dict]:
                         "star": False})
     for length in sorted({c["length"] for c in out}):
         column = [c for c in out if c["length"] == length and c["ranked"]]
-        if len(column) < 2:
+        if len(column) < 2 or max(c["accuracy"] for c in column) == 0:  # (nothing retrieved: nothing to rank)
             continue
         best = max(column, key=lambda c: c["accuracy"])
         best["best"] = best["star"] = True

@@ -16,7 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
-from posbench import dist
+from posbench import dist, passkey
 
 
 class Tracker:
@@ -98,6 +98,12 @@ class Tracker:
         self._log({"report/ppl_vs_length": wandb.plot.line_series(xs=xs, ys=ys, keys=list(series),
                                                                   title="Perplexity vs evaluation length", xname="evaluation length"),
                    **{f"report/{k}": wandb.Image(str(p)) for k, p in images.items()}})
+
+    def log_probe(self, probe: dict | None) -> None:
+        """A results record's passkey probe (``passkey``: posbench/passkey.py), as run-summary values
+        ``passkey/accuracy@<T>`` (exact-match accuracy per probe length); nothing without one."""
+        if probe:
+            self.summary(**{f"passkey/accuracy@{n}": a for n, a in passkey.accuracy(probe["trials"]).items()})
 
     def summary(self, **values) -> None:
         """Set run-summary values (e.g. status=failed)."""

@@ -242,8 +242,7 @@ def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: d
                     train_tokens=record["train_tokens"], **lineage_fields(job, record["train_tokens"]))
     results.write_results(job.run_dir, record)
     tracker.log_eval(record["results"])
-    if record.get("passkey"):  # exact-match accuracy per probe length: the report's numbers, per run
-        tracker.summary(**{f"passkey/accuracy@{n}": a for n, a in passkey.accuracy(record["passkey"]["trials"]).items()})
+    tracker.log_probe(record.get("passkey"))
     print(results.run_table(record), flush=True)
 
 
