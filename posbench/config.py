@@ -315,6 +315,12 @@ def _passkey_values(p: DictConfig, lengths) -> None:
         raise ConfigError(f"eval.passkey.lengths={list(p.lengths)} is not allowed: give increasing lengths >= 2")
 
 
+def longest_length(e: DictConfig) -> int:
+    """The longest window an evaluation config scores: its longest evaluation length, or probe length when it
+    probes (``eval.probes``)."""
+    return max([*e.lengths, *(e.passkey.lengths if "passkey" in e.probes and e.passkey.lengths else [])])
+
+
 def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None = None) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
     ``prepare`` (posbench/train_job.py, posbench/eval_job.py), before any data is read or any step is trained.
@@ -377,7 +383,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     try:
         resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
-        resolved.resolve(trained_length or t.seq_len, max(max(cfg.eval.lengths), t.seq_len))
+        resolved.resolve(trained_length or t.seq_len, max(longest_length(cfg.eval), t.seq_len))
     except ValueError as err:
         raise ConfigError(f"scheme.{err}") from None
     with open_dict(s):

@@ -141,8 +141,10 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V), or, given
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                last: int | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V) (``last``: of
+        the last ``last`` positions only, (B, last, V), so that a probe scoring a few tokens keeps no (B, T, V)), or, given
         targets (B, T) int64, each target's NLL in nats (B, T) float32 (from float32 logits whatever autocast
         does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor)."""
         if pos is None:
@@ -154,7 +156,7 @@ class GPT(nn.Module):
             x = block(x, ctx)
         x = self.ln_f(x)  # (B, T, D)
         if targets is None:
-            return self.head(x)  # (B, T, V)
+            return self.head(x if last is None else x[:, -last:])  # (B, T, V) or (B, last, V)
         if x.device.type == "cpu" and x.dtype == torch.float32:
             rows = max(1, 2**20 // self.head.weight.shape[0])  # a chunk of logits: 4 MiB of float32
             need_grad = torch.is_grad_enabled() and (x.requires_grad or self.head.weight.requires_grad)

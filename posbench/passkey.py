@@ -139,13 +139,13 @@ def window(tokens: np.ndarray, needle: Needle, trial: Trial, control: bool = Fal
 def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu", batch_tokens: int = 16384) -> tuple[np.ndarray, np.ndarray]:
     """Score the last k tokens of each window teacher-forced. windows: (N, T) int64 → (exact match (N,) bool: every
     one of the k tokens is the argmax of the logits before it; log-probability (N,) float64: the mean over the k
-    tokens, nats)."""
+    tokens, nats). ``model(x, last=k)`` gives the logits of the last k positions only (posbench/model.py's GPT)."""
     n, length = windows.shape
     correct, logp = np.zeros(n, dtype=bool), np.zeros(n)
     per_batch = max(1, batch_tokens // length)
     for b in range(0, n, per_batch):
         x = torch.from_numpy(windows[b: b + per_batch]).to(device)  # (B, T)
-        logits = model(x[:, :-1])[:, -k:].float()  # (B, k, V): the positions that predict the key's k tokens
+        logits = model(x[:, :-1], last=k).float()  # (B, k, V): the positions that predict the key's k tokens
         target = x[:, -k:]  # (B, k)
         lp = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]  # (B, k)
         correct[b: b + len(x)] = (logits.argmax(-1) == target).all(-1).cpu().numpy()

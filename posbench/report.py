@@ -80,37 +80,52 @@ def _tokens(r: dict) -> str:
     return show(r.get("train_tokens")) + (f" / {show(r['total_train_tokens'])}" if r.get("total_train_tokens") else "")
 
 
-PASSKEY_COLUMNS = ["setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
+PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
                    "ranked", "best", "p_value", "star"]
 
 
-def passkey_table(cells: list[dict], records: list[dict]) -> str:
-    """The passkey probe's table (posbench/retrieval.py): rows × probe lengths, cells exact-match accuracy with its
-    Wilson 95% interval and ★ (exact McNemar against the column's best ranked row), the accuracy within L; a row
-    below the threshold within L is marked and not ranked past L."""
-    lengths = sorted({c["length"] for c in cells})
-    settings = list(dict.fromkeys(c["setting"] for c in cells))
-    probe = max((r["passkey"]["settings"] for r in records if r.get("passkey")), key=lambda p: p["trials"])
-    lines = ["| | " + " | ".join(map(str, lengths)) + " | within L | gain at " + str(lengths[-1]) + " |",
-             "|---" * (len(lengths) + 3) + "|"]
-    for setting in settings:
-        mine = {c["length"]: c for c in cells if c["setting"] == setting}
-        any_cell = next(iter(mine.values()))
-        row = [f"{mine[n]['accuracy']:.0%} ({mine[n]['ci_low']:.0%}–{mine[n]['ci_high']:.0%})" + (" ★" if mine[n]["star"] else "")
-               if n in mine else "" for n in lengths]
-        within = "–" if any_cell["within_L"] is None else f"{any_cell['within_L']:.0%}"
-        label = setting + ("" if any_cell["valid"] else " (does not retrieve within L)")
-        gain = f"{mine[lengths[-1]]['gain']:+.2f}" if lengths[-1] in mine else ""
-        lines.append(f"| {label} | " + " | ".join(row) + f" | {within} | {gain} |")
-    n = max(c["n"] for c in cells)
-    note = (f"Exact match of the {probe['key_length']}-token key, % of up to {n} trials per cell ({probe['trials']} per "
-            f"depth × {len(probe['depths'])} depths {list(probe['depths'])}, the same windows for every row), with the Wilson 95% "
-            f"interval (Wilson 1927). ★: the best ranked row of the column, or not significantly worse than it by the "
-            f"exact McNemar test over the shared trials (McNemar 1947; two-sided p ≥ {stats.ALPHA}). Within L: accuracy "
-            f"over the trials whose needle-to-query distance is ≤ L; below {probe['threshold']:.0%} the row does not "
-            "retrieve within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the "
-            "same key's when the needle held another key (0: the context is not used).")
-    return "\n".join([*lines, "", note])
+def passkey_tables(cells: list[dict]) -> str:
+    """The passkey probe's tables (posbench/retrieval.py), one per probe: rows × probe lengths, cells exact-match
+    accuracy with its Wilson 95% interval and ★ (the column's best ranked row, or not significantly worse by the
+    paired test) or † (untested), the accuracy within L and the mean gain at the longest length; a row below the
+    threshold within L is marked and not ranked past L."""
+    out = []
+    for table in sorted({c["table"] for c in cells}):
+        sub = [c for c in cells if c["table"] == table]
+        probe, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
+        lines = [f"### P{table}. {probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from "
+                 f"{probe['key_vocab']} words, marker {probe['marker']!r}, probe seed {probe['seed']}", "",
+                 "| | " + " | ".join(map(str, lengths)) + f" | within L | gain at {lengths[-1]} |",
+                 "|---" * (len(lengths) + 3) + "|"]
+        for setting in dict.fromkeys(c["setting"] for c in sub):
+            mine = {c["length"]: c for c in sub if c["setting"] == setting}
+            first = next(iter(mine.values()))
+            row = [f"{mine[n]['accuracy']:.0%} ({mine[n]['ci_low']:.0%}–{mine[n]['ci_high']:.0%})" + _probe_mark(mine[n])
+                   if n in mine else "" for n in lengths]
+            within = "–" if first["within_L"] is None else f"{first['within_L']:.0%}"
+            label = setting + ("" if first["valid"] else " (does not retrieve within L)" if first["within_L"] is not None
+                               else " (no probe length ≤ L: not ranked past L)")
+            gain = f"{mine[lengths[-1]]['gain']:+.2f}" if lengths[-1] in mine else ""
+            lines.append(f"| {label} | " + " | ".join(row) + f" | {within} | {gain} |")
+        n = max(c["n"] for c in sub)
+        lines += ["", f"Exact match of the key, % of up to {n} trials per cell ({probe['trials']} per depth × "
+                  f"{len(probe['depths'])} depths {list(probe['depths'])} per seed, the same windows for every row), with "
+                  "the Wilson 95% interval (Wilson 1927; seeds pooled as trials). ★: the best ranked row of the column, or "
+                  "not significantly worse than it by a paired sign test over the windows both were probed on (each "
+                  "window's accuracy over the row's seeds; with one seed the exact McNemar test, McNemar 1947; two-sided "
+                  f"p ≥ {stats.ALPHA}); †: no shared window, untested; no ★ where no ranked row retrieved a key. Within L: "
+                  f"accuracy in the windows no longer than L; below {probe['threshold']:.0%} the row does not retrieve "
+                  "within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the same "
+                  "key's when the needle held another key (0: the context is not used)."]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def _probe_mark(c: dict) -> str:
+    """★ (best, or not significantly worse), † (ranked but untested: no window shared with the best), or nothing."""
+    if c["star"]:
+        return " ★"
+    return " †" if c["ranked"] and not c["best"] and c["p_value"] is None and c.get("tested_column") else ""
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -161,7 +176,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
             "the best cell of a column and those not significantly worse (the test is named under each table).\n\n"
             f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n"
             + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if series else "")
-            + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_table(probe_cells, records)}\n\n"
+            + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_tables(probe_cells)}\n\n"
                "![passkey accuracy vs distance](passkey_vs_distance.png)\n![passkey depth x length](passkey_heatmap.png)\n"
                if probe_cells else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections

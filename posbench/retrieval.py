@@ -1,15 +1,18 @@
 """The passkey probe's results across runs: accuracy cells, the validity rule and the paired test (docs/design.md
 §6.4 and §8). posbench/report.py renders them beside the perplexity tables; posbench/passkey.py makes the trials.
 
-* :func:`cells` — per row label and probe length: exact-match accuracy with its Wilson 95% interval, the mean
-  retrieval gain, and ★ by the exact McNemar test over the trials both rows share, against the best row;
-* validity: a row whose accuracy over trials with needle-to-query distance ≤ L is below the probe's threshold
-  "does not retrieve within L" and is not ranked at lengths past L;
+* :func:`cells` — one table per probe (its split, seed, key length, key vocabulary, marker and depths: records of
+  other probes scored other windows and are never pooled); per row label and probe length: exact-match accuracy
+  with its Wilson 95% interval, the mean retrieval gain, and ★ by a paired test over the windows both rows were
+  probed on, against the best row;
+* validity: a row whose accuracy in windows no longer than its train length L is below the probe's threshold "does
+  not retrieve within L" and is not ranked at lengths past L;
 * :func:`by_distance` and :func:`by_depth` — what the plots draw.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -18,83 +21,121 @@ from posbench import stats
 DISTANCE_BINS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # needle-to-query distance in units of L
 
 
-def _trials(records: list[dict]) -> dict[str, dict]:
-    """{row label: {"trials": {(seed, length, depth, trial): trial}, "L": train length, "threshold": …}} of the
-    records holding a probe (``passkey``), their trials pooled over seeds."""
-    rows = {}
+def probe_key(settings: dict) -> tuple:
+    """What makes two probes' trials the same windows: split, seed, key length, key vocabulary, marker, end mark."""
+    return (settings.get("split"), settings["seed"], settings["key_length"], settings["key_vocab"],
+            settings["marker"], settings["end"])
+
+
+def groups(records: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """{probe key: {row label: row}} of the records holding a probe (``passkey``), probes with the most records first;
+    a row: ``windows`` {(length, depth, trial): {seed: trial}} (a seed's first record of a window counts), its train
+    length ``L``, the probe's ``threshold`` and ``settings``, and ``order`` (the perplexity rows' order)."""
+    out = defaultdict(dict)
     for rec in records:
         probe = rec.get("passkey")
         if not probe:
             continue
-        row = rows.setdefault(rec["setting"], {"trials": {}, "L": probe["settings"]["train_length"],
-                                               "threshold": probe["settings"]["threshold"], "order": rec["order"]})
+        row = out[probe_key(probe["settings"])].setdefault(rec["setting"], {
+            "windows": defaultdict(dict), "L": probe["settings"]["train_length"], "order": rec["order"],
+            "threshold": probe["settings"]["threshold"], "settings": probe["settings"]})
         for t in probe["trials"]:
-            row["trials"][(rec["seed"], t["length"], t["depth"], t["trial"])] = t
-    return dict(sorted(rows.items(), key=lambda kv: kv[1]["order"]))
+            row["windows"][(t["length"], t["depth"], t["trial"])].setdefault(repr(rec["seed"]), t)
+    ranked = sorted(out.items(), key=lambda kv: -sum(len(r["windows"]) for r in kv[1].values()))
+    return {key: dict(sorted(rows.items(), key=lambda kv: kv[1]["order"])) for key, rows in ranked}
+
+
+def _rate(outcomes: list[bool]) -> float:
+    return sum(outcomes) / len(outcomes)
 
 
 def cells(records: list[dict]) -> list[dict]:
-    """One dict per (row label, probe length): ``setting``, ``length``, ``n``, ``correct``, ``accuracy`` and its
-    Wilson 95% interval (``ci_low``, ``ci_high``), ``gain`` (mean retrieval gain, nats/token), the row's
-    ``within_L`` accuracy (trials with distance ≤ L, every length) and ``valid`` (``within_L`` ≥ the threshold),
-    ``ranked`` (valid, or the length ≤ L), ``best`` and ``p_value`` (exact McNemar against the best ranked row of
-    that length over the trials both hold; None untested) and ``star`` (best, or p ≥ 0.05; none in a column where
-    no ranked row retrieved a key). [] without probes."""
+    """One dict per (probe table, row label, probe length): ``table`` (1, 2, … as :func:`groups` orders the probes),
+    ``settings`` (the probe's), ``setting``, ``length``, ``n`` (trials: windows × seeds), ``correct``, ``accuracy``
+    and its Wilson 95% interval (``ci_low``, ``ci_high``), ``gain`` (mean retrieval gain, nats/token), the row's
+    ``within_L`` accuracy (every trial in a window of length ≤ L; None when no probe length is ≤ L) and ``valid``
+    (``within_L`` ≥ the threshold), ``ranked`` (valid, or the length ≤ L), ``best``, ``p_value`` and ``star``.
+
+    The test, at each length, against the best ranked row (highest accuracy; none when no ranked row retrieved a key):
+    a paired sign test over the windows both rows were probed on, of each window's accuracy over the row's seeds
+    (one seed: the exact McNemar test, McNemar 1947); ``star``: best, or p ≥ 0.05; ``p_value`` None: untested (no
+    shared window). [] without probes."""
     out = []
-    rows = _trials(records)
-    for setting, row in rows.items():
-        within = [t["correct"] for t in row["trials"].values() if t["distance"] <= row["L"]]
-        within_l = statistics.fmean(within) if within else None
-        for length in sorted({key[1] for key in row["trials"]}):
-            mine = [t for key, t in row["trials"].items() if key[1] == length]
-            k, n = sum(t["correct"] for t in mine), len(mine)
-            low, high = stats.wilson(k, n)
+    for table, rows in enumerate(groups(records).values(), 1):
+        mine_cells = []
+        for setting, row in rows.items():
+            within = [o["correct"] for (n, _, _), seeds in row["windows"].items() if n <= row["L"] for o in seeds.values()]
+            within_l = _rate(within) if within else None
             valid = within_l is not None and within_l >= row["threshold"]
-            out.append({"setting": setting, "length": length, "n": n, "correct": k, "accuracy": k / n, "ci_low": low,
-                        "ci_high": high, "gain": statistics.fmean(t["gain"] for t in mine), "within_L": within_l,
-                        "valid": valid, "ranked": valid or length <= row["L"], "best": False, "p_value": None,
-                        "star": False})
-    for length in sorted({c["length"] for c in out}):
-        column = [c for c in out if c["length"] == length and c["ranked"]]
-        if len(column) < 2 or max(c["accuracy"] for c in column) == 0:  # (nothing retrieved: nothing to rank)
-            continue
-        best = max(column, key=lambda c: c["accuracy"])
-        best["best"] = best["star"] = True
-        theirs = {key: t["correct"] for key, t in rows[best["setting"]]["trials"].items() if key[1] == length}
-        for c in column:
-            if c is best:
-                continue
-            mine = {key: t["correct"] for key, t in rows[c["setting"]]["trials"].items() if key[1] == length}
-            shared = mine.keys() & theirs.keys()
-            b = sum(theirs[key] and not mine[key] for key in shared)
-            d = sum(mine[key] and not theirs[key] for key in shared)
-            c["p_value"] = stats.mcnemar_exact(b, d) if shared else None
-            c["star"] = c["p_value"] is not None and c["p_value"] >= stats.ALPHA
+            for length in sorted({key[0] for key in row["windows"]}):
+                trials = [o for key, seeds in row["windows"].items() if key[0] == length for o in seeds.values()]
+                k, n = sum(t["correct"] for t in trials), len(trials)
+                low, high = stats.wilson(k, n)
+                mine_cells.append({"table": table, "settings": row["settings"], "setting": setting, "length": length,
+                                   "n": n, "correct": k, "accuracy": k / n, "ci_low": low, "ci_high": high,
+                                   "gain": statistics.fmean(t["gain"] for t in trials), "within_L": within_l,
+                                   "valid": valid, "ranked": valid or length <= row["L"], "best": False,
+                                   "p_value": None, "star": False})
+        for length in sorted({c["length"] for c in mine_cells}):
+            _rank([c for c in mine_cells if c["length"] == length and c["ranked"]], rows, length)
+        out += mine_cells
     return out
 
 
+def _rank(column: list[dict], rows: dict[str, dict], length: int) -> None:
+    """Mark the best cell of one length and test every other against it (see :func:`cells`)."""
+    if len(column) < 2 or max(c["accuracy"] for c in column) == 0:  # (nothing retrieved: nothing to rank)
+        return
+    best = max(column, key=lambda c: c["accuracy"])
+    best["best"] = best["star"] = True
+    for c in column:
+        c["tested_column"] = True  # (a cell of this column left without a p-value was untested: †)
+
+    def by_window(setting):
+        return {key: _rate([o["correct"] for o in seeds.values()]) for key, seeds in rows[setting]["windows"].items()
+                if key[0] == length}
+
+    theirs = by_window(best["setting"])
+    for c in column:
+        if c is best:
+            continue
+        mine = by_window(c["setting"])
+        shared = mine.keys() & theirs.keys()
+        b = sum(theirs[key] > mine[key] for key in shared)
+        d = sum(mine[key] > theirs[key] for key in shared)
+        c["p_value"] = stats.mcnemar_exact(b, d) if shared else None
+        c["star"] = c["p_value"] is not None and c["p_value"] >= stats.ALPHA
+
+
 def by_distance(records: list[dict]) -> dict[str, tuple[list, list]]:
-    """{row label: (bin centres, accuracy)}: exact-match accuracy against needle-to-query distance in units of L,
-    binned by :data:`DISTANCE_BINS` (a bin's centre: the mean distance of its trials), every probe length pooled."""
+    """{row label: (bin centres, accuracy)} of the first probe table: exact-match accuracy against needle-to-query
+    distance in units of the row's L, binned by :data:`DISTANCE_BINS` (a bin's centre: the mean distance of its
+    trials), every probe length and seed pooled."""
     out = {}
-    for setting, row in _trials(records).items():
+    for setting, row in next(iter(groups(records).values()), {}).items():
         bins = defaultdict(list)
-        for t in row["trials"].values():
-            x = t["distance"] / row["L"]
-            i = next((j for j in range(len(DISTANCE_BINS) - 1) if x <= DISTANCE_BINS[j + 1]), len(DISTANCE_BINS) - 1)
-            bins[i].append((x, t["correct"]))
-        xs = [statistics.fmean(x for x, _ in bins[i]) for i in sorted(bins)]
-        out[setting] = (xs, [statistics.fmean(c for _, c in bins[i]) for i in sorted(bins)])
+        for seeds in row["windows"].values():
+            for t in seeds.values():
+                x = t["distance"] / row["L"]
+                i = next((j for j in range(len(DISTANCE_BINS) - 1) if x <= DISTANCE_BINS[j + 1]), len(DISTANCE_BINS) - 1)
+                bins[i].append((x, t["correct"]))
+        out[setting] = ([statistics.fmean(x for x, _ in bins[i]) for i in sorted(bins)],
+                        [statistics.fmean(c for _, c in bins[i]) for i in sorted(bins)])
     return out
 
 
 def by_depth(records: list[dict]) -> dict[str, tuple[list, list, list]]:
-    """{row label: (depths, lengths, accuracy[depth][length])}: the depth × length grid of a heatmap."""
+    """{row label: (depths, lengths, accuracy[depth][length])} of the first probe table: a heatmap's grid (NaN where
+    the row has no trial)."""
     out = {}
-    for setting, row in _trials(records).items():
-        depths = sorted({key[2] for key in row["trials"]})
-        lengths = sorted({key[1] for key in row["trials"]})
-        grid = [[statistics.fmean([t["correct"] for key, t in row["trials"].items() if key[1] == n and key[2] == d] or [0])
+    for setting, row in next(iter(groups(records).values()), {}).items():
+        depths = sorted({key[1] for key in row["windows"]})
+        lengths = sorted({key[0] for key in row["windows"]})
+        grid = [[_mean([o["correct"] for key, seeds in row["windows"].items() if key[:2] == (n, d) for o in seeds.values()])
                  for n in lengths] for d in depths]
         out[setting] = (depths, lengths, grid)
     return out
+
+
+def _mean(values: list) -> float:
+    return statistics.fmean(values) if values else math.nan

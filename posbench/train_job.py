@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from posbench import build, data, dist, lineage, memory, passkey
-from posbench.config import ConfigError, finalize, to_dict
+from posbench.config import ConfigError, finalize, longest_length, to_dict
 from posbench.device import resolve_device
 from posbench.evaluate import span
 from posbench.results import run_label
@@ -103,7 +103,7 @@ def check_memory(job: TrainJob) -> None:
     if not t.check_memory:
         return
     device = torch.device(dist.device_of(str(resolve_device(t.device))))
-    longest = max(e.lengths)
+    longest = longest_length(e)
     try:
         memory.check_fits(job.spec, t.batch_size, t.seq_len, memory.kernel_for(job.spec["scheme"]["name"], device, True,
                           job.config.model.dropout), device, f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")

@@ -67,7 +67,7 @@ class Copier(torch.nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, x):
+    def forward(self, x, last=None):
         logits = torch.zeros(*x.shape, V)
         for b, row in enumerate(x.tolist()):
             for t in range(self.m - 1, len(row)):
@@ -76,12 +76,12 @@ class Copier(torch.nn.Module):
                     if row[s - self.m + 1: s + 1] == tail:
                         logits[b, t, row[s + 1]] = 10.0
                         break
-        return logits
+        return logits if last is None else logits[:, -last:]
 
 
 class Uniform(torch.nn.Module):
-    def forward(self, x):
-        return torch.zeros(*x.shape, V)
+    def forward(self, x, last=None):
+        return torch.zeros(x.shape[0], last or x.shape[1], V)
 
 
 def test_a_copying_model_retrieves_every_key_and_the_control_shows_it():
@@ -146,6 +146,8 @@ REFUSALS = [
     (["eval.passkey.marker="], r"eval.passkey.marker='': the run's tokenizer cannot encode it"),
     (["eval.probes=[needle]"], r"eval.probes has 'needle'"),
     (["data.passkey_rate=1.5"], r"data.passkey_rate=1.5"),
+    (["scheme=learned", "scheme.max_positions=64", "eval.passkey.lengths=[32,128]"],
+     r"scheme.max_positions=64: a learned table of 64 rows cannot serve length 128"),
 ]
 
 
@@ -176,19 +178,21 @@ def test_a_probed_run_records_trials_beside_perplexity_and_posbench_eval_probes_
     assert {t["length"] for t in evaluated["passkey"]["trials"]} == {64} and len(evaluated["passkey"]["trials"]) == 15
 
 
-def fake_run(folder, scheme, outcomes, L=32):
-    """A results folder whose probe has ``outcomes``: {(length, trial): correct} at depth 0.5; distance = length − 8."""
-    folder.mkdir(parents=True)
+def fake_run(folder, scheme, outcomes, L=32, seed=0, split="validation", name="results.json"):
+    """A results file whose probe has ``outcomes``: {(length, trial): correct} at depth 0.5; distance = length − 8."""
+    folder.mkdir(parents=True, exist_ok=True)
     trials = [{"length": n, "depth": 0.5, "trial": i, "distance": n - 8, "correct": c, "logp": -1.0, "gain": 0.5}
               for (n, i), c in outcomes.items()]
+    settings = {"trials": 20, "depths": [0.5], "key_length": 4, "key_vocab": 100, "marker": " The pass key is",
+                "end": ".", "threshold": 0.8, "seed": 0, "split": split, "train_length": L}
     rows = [{"length": n, "ppl": 100.0, "nll": math.log(100), "nll_by_position": {"position": [0], "nll": [4.6]}}
             for n in (32, 64)]
-    config = {"scheme": {"name": scheme}, "train": {"seq_len": L}, "eval": {"lengths": [32, 64]}, "seed": 0}
-    (folder / "results.json").write_text(json.dumps({
+    config = {"scheme": {"name": scheme}, "train": {"seq_len": L}, "eval": {"lengths": [32, 64], "split": split},
+              "seed": seed}
+    (folder / name).write_text(json.dumps({
         "format": 4, "scheme": scheme, "label": scheme, "train_length": L, "protocol": "nonoverlapping", "stride": None,
-        "split": "validation", "seed": 0, "config": config, "results": rows,
-        "passkey": {"settings": {"trials": 20, "depths": [0.5], "key_length": 4, "threshold": 0.8, "train_length": L},
-                    "trials": trials}}))
+        "split": split, "seed": seed, "config": config, "results": rows,
+        "passkey": {"settings": settings, "trials": trials}}))
 
 
 def wilson(k, n, z=1.959963984540054):  # Wilson 1927, eq. for the score interval
@@ -221,3 +225,42 @@ def test_the_report_ranks_retrieval_with_wilson_intervals_mcnemar_and_the_validi
     assert float(cells["rope", "32"]["p_value"]) == pytest.approx(1.0)  # 1 discordant pair: p = 1
     assert cells["rope", "32"]["star"] == "True"
     assert (tmp_path / "out" / "passkey_vs_distance.png").exists() and (tmp_path / "out" / "passkey_heatmap.png").exists()
+
+
+def test_seeds_pair_by_window_and_other_probes_get_their_own_table(run_cli, tmp_path):
+    """Two seeds of a row are pooled per window (a sign test over windows, not over seed × window pairs); a
+    re-evaluation probing the test split is its own table, never pooled with the validation probe's trials."""
+    n = 20
+    for seed in (0, 1):  # alibi: right on every window at 64; rope: wrong on windows 0…3 with both seeds
+        fake_run(tmp_path / "runs" / f"a{seed}", "alibi", {**{(32, i): True for i in range(n)}, **{(64, i): True for i in range(n)}}, seed=seed)
+        fake_run(tmp_path / "runs" / f"b{seed}", "rope", {**{(32, i): True for i in range(n)}, **{(64, i): i >= 4 for i in range(n)}}, seed=seed)
+    fake_run(tmp_path / "runs" / "b0", "rope", {(64, i): False for i in range(n)}, split="test", name="eval-rope-test-1.json")
+    proc = run_cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import csv
+
+    cells = list(csv.DictReader(open(tmp_path / "out" / "passkey.csv")))
+    validation = {(c["setting"], c["length"]): c for c in cells if c["table"] == "1"}
+    assert validation["rope", "64"]["n"] == "40" and validation["rope", "64"]["correct"] == "32"  # 2 seeds × 20 windows
+    assert float(validation["rope", "64"]["p_value"]) == pytest.approx(2 * 0.5 ** 4)  # 4 windows differ, not 8 pairs
+    test = [c for c in cells if c["table"] == "2"]
+    assert [(c["setting"], c["length"], c["n"], c["correct"]) for c in test] == [("rope", "64", "20", "0")]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "### P1. validation split" in md and "### P2. test split" in md
+
+
+def test_validity_counts_windows_no_longer_than_L():
+    """Failures at distance ≤ L inside windows longer than L do not make a row invalid; failures at T ≤ L do."""
+    from posbench import retrieval
+
+    def rec(setting, ok_short, ok_long):
+        trials = [{"length": n, "depth": 0.5, "trial": i, "distance": 10, "correct": ok_short if n <= 32 else ok_long,
+                   "logp": -1.0, "gain": 0.0} for n in (32, 128) for i in range(10)]
+        settings = {"trials": 10, "depths": [0.5], "key_length": 4, "key_vocab": 100, "marker": "m", "end": ".",
+                    "threshold": 0.8, "seed": 0, "split": "validation", "train_length": 32}
+        return {"setting": setting, "order": (setting,), "seed": 0, "passkey": {"settings": settings, "trials": trials}}
+
+    cells = retrieval.cells([rec("a", True, False), rec("b", False, True)])
+    valid = {c["setting"]: (c["within_L"], c["valid"]) for c in cells}
+    assert valid == {"a": (1.0, True), "b": (0.0, False)}
+    assert not any(c["star"] for c in cells if c["length"] == 128 and c["setting"] == "b")  # b is not ranked past L
