@@ -85,6 +85,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest training checkpoints kept
     check_memory: bool = True  # refuse a run whose estimated step memory exceeds what the device has free
     compile: bool = False  # torch.compile the model (no gain seen on CPU; falls back to eager on failure)
+    random_positions: Optional[int] = None  # M: train on sorted random positions from [0, M) (Ruoss et al. 2023)
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
 
@@ -379,11 +380,19 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
     if t.sync_every is not None:
         _positive("train.sync_every", t.sync_every)
+    if t.random_positions is not None:
+        _positive("train.random_positions", t.random_positions)
+        if t.random_positions < t.seq_len:
+            raise ConfigError(f"train.random_positions={t.random_positions} is smaller than train.seq_len={t.seq_len}: "
+                              "a window's positions are distinct integers drawn from [0, M)")
+        if not SCHEMES[s.name].reads_positions():
+            raise ConfigError(f"train.random_positions={t.random_positions} but scheme={s.name} uses no positions: "
+                              "drop train.random_positions, or choose a scheme that reads them")
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     try:
         resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
-        resolved.resolve(trained_length or t.seq_len, max(longest_length(cfg.eval), t.seq_len))
+        resolved.resolve(trained_length or t.seq_len, max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0))
     except ValueError as err:
         raise ConfigError(f"scheme.{err}") from None
     with open_dict(s):

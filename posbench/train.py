@@ -191,8 +191,11 @@ class Loop:
         x, y = (b.to(self.proc.device, non_blocking=True)
                 for b in get_batch(self.job.corpus.tokens["train"], i, seed, t.batch_size, t.seq_len, self.proc.rank,
                                    self.job.needle, self.job.config.data.passkey_rate))
+        extra = {}
+        if t.random_positions:  # (off: the call, and every random number, as without the option)
+            extra["pos"] = random_positions(seed, i, self.proc.rank, t.random_positions, t.seq_len).to(self.proc.device)
         with self.autocast:
-            loss = self.forward(x, targets=y).mean()  # mean NLL over the batch's B·L targets
+            loss = self.forward(x, targets=y, **extra).mean()  # mean NLL over the batch's B·L targets
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
@@ -260,6 +263,14 @@ def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len
         passkey.insert(crops, needle, passkey_rate, np.random.default_rng([seed, step, rank, 1]))
     crops = torch.from_numpy(crops)
     return crops[:, :-1], crops[:, 1:]
+
+
+def random_positions(seed: int, step: int, rank: int, high: int, length: int) -> torch.Tensor:
+    """Randomized positional encodings (Ruoss et al. 2023, §3): the positions of batch ``step``'s windows, a sorted
+    sample of ``length`` distinct integers from [0, ``high``) drawn by ``default_rng([seed, step, rank, 2])``, the
+    same for every window of the batch (the model takes one position vector); evaluation uses 0…T−1. (length,) int64."""
+    sample = np.random.default_rng([seed, step, rank, 2]).choice(high, length, replace=False)
+    return torch.from_numpy(np.sort(sample).astype(np.int64))
 
 
 def seed_rank(seed: int, rank: int) -> None:

@@ -109,6 +109,12 @@ class PositionalScheme(nn.Module):
         self.config = self.Config() if config is None else config
 
     @classmethod
+    def reads_positions(cls) -> bool:
+        """Whether the scheme uses positions at all: it overrides ``embed``, ``rotation`` or ``score_mod`` (NoPE does
+        not, so randomized training positions, ``train.random_positions``, mean nothing to it)."""
+        return any(getattr(cls, hook) is not getattr(PositionalScheme, hook) for hook in ("embed", "rotation", "score_mod"))
+
+    @classmethod
     def options(cls) -> list[str]:
         """The names of the scheme's options: the fields of its ``Config``, in order."""
         return [f.name for f in dataclasses.fields(cls.Config)]

@@ -1,0 +1,85 @@
+"""Randomized positions in training (``train.random_positions=M``, Ruoss et al. 2023): the positions the model is
+given, re-derived here from the documented draw; off by default and then untouched; the refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from posbench.model import GPT
+from test_refusals import refused, run_into, snapshot
+from test_resume import compose
+
+
+@pytest.fixture
+def given_positions(monkeypatch):
+    """Every ``pos`` the model's forward receives, in order (None: the default 0…T−1)."""
+    seen, forward = [], GPT.forward
+
+    def spy(self, idx, pos=None, targets=None, last=None):
+        seen.append(None if pos is None else pos.clone())
+        return forward(self, idx, pos=pos, targets=targets, last=last)
+
+    monkeypatch.setattr(GPT, "forward", spy)
+    return seen
+
+
+def train_in_process(data_cache, tmp_path, *overrides):
+    from posbench import train_job
+    from posbench.train import train
+
+    job = train_job.prepare(compose(data_cache, "train.steps=3", "eval.lengths=[32]", "eval.max_tokens=64",
+                                    "wandb.enabled=false", *overrides), tmp_path / "run")
+    return train(job)
+
+
+def test_training_positions_are_the_documented_sorted_sample(data_cache, tmp_path, given_positions, torch_state):
+    train_in_process(data_cache, tmp_path, "train.random_positions=200", "seed=5")
+    training = given_positions[:3]  # then the evaluation's forward passes
+    for step, pos in enumerate(training):
+        expected = np.sort(np.random.default_rng([5, step, 0, 2]).choice(200, 32, replace=False))
+        assert pos.tolist() == expected.tolist()
+        assert len(set(pos.tolist())) == 32 and 0 <= pos.min() and pos.max() < 200
+    assert all(p is None for p in given_positions[3:])  # evaluation: positions 0…T−1
+
+
+def test_off_by_default_the_model_gets_no_positions(data_cache, tmp_path, given_positions, torch_state):
+    train_in_process(data_cache, tmp_path)
+    assert given_positions and all(p is None for p in given_positions)
+
+
+REFUSALS = [
+    (["scheme=nope", "train.random_positions=256"], r"train.random_positions=256 but scheme=nope uses no positions"),
+    (["scheme=learned", "scheme.max_positions=128", "train.random_positions=256"],
+     r"scheme.max_positions=128: a learned table of 128 rows cannot serve length 256"),
+    (["train.random_positions=16"], r"train.random_positions=16 is smaller than train.seq_len=32"),
+    (["train.random_positions=0"], r"train.random_positions=0 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
+def test_refusals(run_cli, data_cache, tmp_path, overrides, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    before = snapshot(run)
+    line = refused(run_into(run_cli, data_cache, run, *overrides), run, before)
+    assert re.search(message, line), line
+
+
+def test_a_randomized_run_from_the_command_line(run_cli, data_cache, tmp_path):
+    proc = run_into(run_cli, data_cache, tmp_path / "run", "scheme=alibi", "train.random_positions=512")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert rec["config"]["train"]["random_positions"] == 512 and all(torch.isfinite(torch.tensor(r["nll"])) for r in rec["results"])
+
+
+@pytest.mark.parametrize("name, reads", [("nope", False), ("rope", True), ("alibi", True), ("learned", True),
+                                         ("sinusoidal", True), ("t5", True), ("fire", True)])
+def test_which_schemes_read_positions(name, reads):
+    from posbench.schemes import SCHEMES
+
+    assert SCHEMES[name].reads_positions() is reads
