@@ -22,6 +22,7 @@ from typing import Any, List, Optional
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from posbench import passkey
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")
@@ -93,21 +94,6 @@ PROBES = ("passkey",)  # eval.probes
 
 
 @dataclass
-class PasskeyConfig:
-    """``eval.passkey``: the passkey retrieval probe (posbench/passkey.py; docs/design.md §6.4)."""
-
-    trials: int = 20  # windows per (length, depth) cell
-    depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in the haystack
-    lengths: Optional[List[int]] = None  # None = eval.lengths
-    key_length: int = 4  # k, tokens per key
-    key_vocab: int = 100  # keys are drawn from the N most frequent whole-word tokens
-    marker: str = " The pass key is"
-    end: str = "."
-    threshold: float = 0.8  # accuracy within L below which a row "does not retrieve within L"
-    seed: int = 0
-
-
-@dataclass
 class EvalConfig:
     lengths: Optional[List[int]] = None  # None = L, 2L, 4L, 8L, 16L
     protocol: str = "nonoverlapping"
@@ -116,7 +102,7 @@ class EvalConfig:
     max_tokens: Optional[int] = None  # budget: targets scored per evaluation length; None = the whole split
     batch_tokens: int = 16384  # tokens per forward pass
     probes: List[str] = field(default_factory=list)  # beside perplexity: passkey
-    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    passkey: passkey.Config = field(default_factory=passkey.Config)  # the probe owns its options and their checks
 
 
 @dataclass
@@ -279,7 +265,12 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
     for probe in e.probes:
         if probe not in PROBES:
             raise ConfigError(f"eval.probes has {probe!r}; the probes: {', '.join(PROBES)}")
-    _passkey_values(e.passkey, e.lengths)
+    if e.passkey.lengths is None:
+        e.passkey.lengths = list(e.lengths)
+    try:
+        passkey.check(e.passkey)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if e.protocol not in PROTOCOLS:
         raise ConfigError(f"eval.protocol={e.protocol!r} is unknown; choose one of: {', '.join(PROTOCOLS)}")
     if e.split not in SPLITS:
@@ -294,26 +285,6 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
             raise ConfigError(
                 f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest evaluation length {min(e.lengths)}"
             )
-
-
-def _passkey_values(p: DictConfig, lengths) -> None:
-    """Fill ``eval.passkey.lengths`` (None → ``eval.lengths``) and check the probe's settings."""
-    for key in ("trials", "key_length", "key_vocab"):
-        _positive(f"eval.passkey.{key}", p[key])
-    if p.key_vocab < p.key_length:
-        raise ConfigError(f"eval.passkey.key_vocab={p.key_vocab} is smaller than eval.passkey.key_length="
-                          f"{p.key_length}: a key draws its tokens from the vocabulary")
-    if len(p.depths) == 0 or not all(0 <= d <= 1 for d in p.depths):
-        raise ConfigError(f"eval.passkey.depths={list(p.depths)} is not allowed: give depths between 0 (the start of the "
-                          "haystack) and 1 (its end)")
-    if not 0 < p.threshold <= 1:
-        raise ConfigError(f"eval.passkey.threshold={p.threshold} is not allowed: it must be in (0, 1]")
-    if p.seed < 0:
-        raise ConfigError(f"eval.passkey.seed={p.seed} is not allowed: it must be >= 0")
-    if p.lengths is None:
-        p.lengths = list(lengths)
-    if len(p.lengths) == 0 or list(p.lengths) != sorted(set(p.lengths)) or min(p.lengths) < 2:
-        raise ConfigError(f"eval.passkey.lengths={list(p.lengths)} is not allowed: give increasing lengths >= 2")
 
 
 def longest_length(e: DictConfig) -> int:

@@ -19,11 +19,48 @@ is probed on the same windows, and cells pair across schemes. The same needle fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+
+
+@dataclass
+class Config:
+    """``eval.passkey``: the probe's options (docs/design.md §6.4), checked by :func:`check`."""
+
+    trials: int = 20  # windows per (length, depth) cell
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in the haystack
+    lengths: Optional[List[int]] = None  # None = eval.lengths
+    key_length: int = 4  # k, tokens per key
+    key_vocab: int = 100  # keys are drawn from the N most frequent whole-word tokens
+    marker: str = " The pass key is"
+    end: str = "."
+    threshold: float = 0.8  # accuracy within L below which a row "does not retrieve within L"
+    seed: int = 0
+
+
+def check(p) -> None:
+    """Raise ValueError (``eval.passkey.<option>=<value> …``) for options of ``p`` (a :class:`Config`, or the config
+    node holding its fields, ``lengths`` filled) that cannot make a probe."""
+    for key in ("trials", "key_length", "key_vocab"):
+        value = getattr(p, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"eval.passkey.{key}={value!r} is not allowed: it must be a positive integer")
+    if p.key_vocab < p.key_length:
+        raise ValueError(f"eval.passkey.key_vocab={p.key_vocab} is smaller than eval.passkey.key_length="
+                         f"{p.key_length}: a key draws its tokens from the vocabulary")
+    if len(p.depths) == 0 or not all(0 <= d <= 1 for d in p.depths):
+        raise ValueError(f"eval.passkey.depths={list(p.depths)} is not allowed: give depths between 0 (the start of the "
+                         "haystack) and 1 (its end)")
+    if not 0 < p.threshold <= 1:
+        raise ValueError(f"eval.passkey.threshold={p.threshold} is not allowed: it must be in (0, 1]")
+    if p.seed < 0:
+        raise ValueError(f"eval.passkey.seed={p.seed} is not allowed: it must be >= 0")
+    if len(p.lengths) == 0 or list(p.lengths) != sorted(set(p.lengths)) or min(p.lengths) < 2:
+        raise ValueError(f"eval.passkey.lengths={list(p.lengths)} is not allowed: give increasing lengths >= 2")
 
 
 @dataclass(frozen=True)

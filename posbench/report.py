@@ -125,7 +125,7 @@ def _probe_mark(c: dict) -> str:
     """★ (best, or not significantly worse), † (ranked but untested: no window shared with the best), or nothing."""
     if c["star"]:
         return " ★"
-    return " †" if c["ranked"] and not c["best"] and c["p_value"] is None and c.get("tested_column") else ""
+    return " †" if c.get("untested") else ""
 
 
 # ---- files ---------------------------------------------------------------------------------------

@@ -88,8 +88,6 @@ def _rank(column: list[dict], rows: dict[str, dict], length: int) -> None:
         return
     best = max(column, key=lambda c: c["accuracy"])
     best["best"] = best["star"] = True
-    for c in column:
-        c["tested_column"] = True  # (a cell of this column left without a p-value was untested: †)
 
     def by_window(setting):
         return {key: _rate([o["correct"] for o in seeds.values()]) for key, seeds in rows[setting]["windows"].items()
@@ -105,6 +103,7 @@ def _rank(column: list[dict], rows: dict[str, dict], length: int) -> None:
         d = sum(mine[key] > theirs[key] for key in shared)
         c["p_value"] = stats.mcnemar_exact(b, d) if shared else None
         c["star"] = c["p_value"] is not None and c["p_value"] >= stats.ALPHA
+        c["untested"] = not shared  # (no window shared with the best: †)
 
 
 def by_distance(records: list[dict]) -> dict[str, tuple[list, list]]:

@@ -109,14 +109,12 @@ class Learned(PositionalScheme):
         with torch.no_grad():
             if rows == "scheme":
                 new[: old.shape[0]].copy_(old)
-            elif rows == "interpolate":
+            else:  # interpolate (config.INIT_ROWS: nothing else reaches here)
                 x = torch.arange(min(new_length, new.shape[0]), dtype=torch.float64, device=old.device) * trained_length / new_length  # (L',)
                 low = x.floor().long().clamp(max=trained_length - 1)
                 high = (low + 1).clamp(max=trained_length - 1)
                 w = (x - low).to(old.dtype)[:, None]  # (L', 1)
                 new[: len(x)].copy_(old[low] * (1 - w) + old[high] * w)
-            else:
-                super().adopt(trained, rows, trained_length, new_length)
 
     def embed(self, x, pos):
         return x + self.table(pos).to(x.dtype)  # (B, T, D)
