@@ -1,6 +1,6 @@
-"""Rotary schemes: RoPE (Su et al. 2021) with GPT-NeoX's partial rotary, and xPos (Sun et al. 2022); registered as
-``rope`` and ``xpos``. Every rotary scheme takes every context-extension method of posbench/schemes/rope_scaling.py
-(``scheme.scaling``), at training or at evaluation.
+"""Rotary schemes: RoPE (Su et al. 2021) with GPT-NeoX's partial rotary, p-RoPE (Barbero et al. 2025) and xPos (Sun
+et al. 2022); registered as ``rope``, ``p_rope`` and ``xpos``. Every rotary scheme takes every context-extension method
+of posbench/schemes/rope_scaling.py (``scheme.scaling``), at training or at evaluation.
 
 A rotary scheme turns dimension pairs of each query and key head by angles proportional to its position (the
 ``rotation`` and ``rotate`` hooks), so that an attention score depends on positions only through their difference:
@@ -10,11 +10,13 @@ A rotary scheme turns dimension pairs of each query and key head by angles propo
     rope = build_scheme("rope", d_model=128, n_head=4, base=10000.0)
     yarn = build_scheme("rope", d_model=128, n_head=4, scaling="yarn", factor=16.0, original_length=128)
     neox = build_scheme("rope", d_model=128, n_head=4, rotary_fraction=0.25)
+    p_rope = build_scheme("p_rope", d_model=128, n_head=4, p=0.75)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -165,6 +167,87 @@ class RoPE(_Rotary):
     def rotate(self, q, k, rotation):
         cos, sin = rotation
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@register("p_rope")
+class PRoPE(RoPE):
+    """p-RoPE, Barbero et al. 2025 ("Round and round we go! What makes Rotary Positional Encodings useful?", ICLR 2025,
+    arXiv:2410.06205): RoPE that keeps only the highest-frequency fraction p of its frequency pairs and leaves the
+    others unrotated (frequency 0, an infinite wavelength), so they carry no position; 0-RoPE is NoPE, 1-RoPE is RoPE.
+
+    Pair i (i < Dh/2; pairs (i, i + Dh/2) as in :class:`RoPE`) of each query and key head at position m turns by
+    angle m·g_i, with RoPE's frequencies θ_i = base^(−2i/Dh) (RoFormer eq. 15):
+
+        g_i = θ_i   for i < k,     g_i = 0   for k ≤ i < Dh/2,     k = ⌊p·Dh/2⌋,
+
+    so the score of query m and key n is Σ_{i<k} RoPE's term of pair i at distance m − n plus Σ_{i≥k} (q_i·k_i +
+    q_{i+Dh/2}·k_{i+Dh/2}), a plain dot product. k is a floor, as Hugging Face's ``proportional`` RoPE (Gemma 4's,
+    ``_compute_proportional_rope_parameters``: ``int(p * head_dim // 2)`` pairs) counts it; a floor never keeps more
+    than the fraction asked for, and ``rotary_fraction`` rounds that way too. (A slack of 1e-9 is added before
+    flooring, so that a decimal p whose p·Dh/2 is whole is not one pair short from binary rounding.) A p below 2/Dh
+    keeps no pair. p = 1 is RoPE bit for bit (the same tables); p = 0, or any p that keeps no pair, is NoPE: without
+    an attention factor (every scaling but YaRN) the rotation is skipped, so the logits are NoPE's bit for bit.
+
+    Scalings (``scheme.scaling``, at training or at evaluation): the kept pairs turn at exactly the scaled frequencies
+    of the full-width RoPE (the method computed for d = Dh), the dropped pairs at 0. YaRN's attention factor √(1/t)
+    multiplies every dimension's cos and sin, the unrotated ones included (cos 0 = 1, sin 0 = 0), so its temperature
+    scales the whole score q·k, as YaRN §3.4 defines it; at p = 0 YaRN is NoPE with that temperature.
+
+    Not GPT-NeoX's partial rotary (:class:`RoPE`'s ``rotary_fraction`` f): that turns the first ⌊f·Dh⌋ *dimensions*
+    with the frequencies of a narrower RoPE (base^(−2i/d), again spanning 1 down to about 1/base); p-RoPE keeps the
+    full head's frequencies and removes the slowest ones (the slowest kept is base^(−2(k−1)/Dh), ≈ base^(−p)).
+    Cost: RoPE's (full-width tables, RoPE's rotation); RoPE's own path is untouched.
+    """
+
+    @dataclasses.dataclass
+    class Config(RotaryConfig):
+        """The options of :class:`RotaryConfig`, and p: the fraction in [0, 1] of each head's Dh/2 frequency pairs that
+        turn, the highest-frequency ones (⌊p·Dh/2⌋ pairs); 1 is RoPE, 0 NoPE; the paper's best is 0.75."""
+
+        p: float = 0.75
+
+        def check(self, longest: int | None = None) -> None:
+            super().check(longest)
+            if not is_number(self.p) or not 0 <= self.p <= 1:
+                raise ValueError(f"p={self.p!r}: p-RoPE's fraction of frequency pairs kept must be a number in [0, 1] "
+                                 "(1: RoPE, 0: NoPE; the paper's best: 0.75)")
+
+        def label(self) -> str:
+            return f"+p{self.p:g}" + super().label()  # p_rope+p0.75, p_rope+p0.75+yarn×4
+
+    def __init__(self, d_model, n_head, config=None):
+        _Rotary.__init__(self, d_model, n_head, config)  # not RoPE's: p-RoPE has no rotary_fraction
+        self.rotated = 2 * max(1, self.head_dim // 2)  # every pair is in the tables (the dropped ones at angle 0): Dh
+        self.kept = min(self.rotated // 2, math.floor(self.config.p * self.rotated / 2 + 1e-9))  # k = ⌊p·Dh/2⌋
+
+    def drop(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """inv_freq: (Dh/2,) float64, the frequencies of the full head → the same with the last Dh/2 − k (the lowest)
+        set to 0; the tensor itself when every pair is kept (p = 1)."""
+        if self.kept == inv_freq.numel():
+            return inv_freq
+        return torch.cat((inv_freq[: self.kept], inv_freq.new_zeros(inv_freq.numel() - self.kept)))  # (Dh/2,)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """(Dh/2,) float64: the frequencies the model trained with (before any scaling), θ_i for the k kept pairs and 0
+        for the others."""
+        return self.drop(super().inv_freq)
+
+    def frequencies(self, pos: torch.Tensor, dim: int) -> tuple[torch.Tensor, float]:
+        """The scaling method's (inverse frequencies (dim/2,) float64 of a dim-wide RoPE, the lowest dim/2 − k set to 0,
+        attention factor) for positions ``pos``."""
+        inv_freq, factor = super().frequencies(pos, dim)  # (Dh/2,)
+        return self.drop(inv_freq), factor
+
+    def rotation(self, pos, dtype):
+        """pos: (T,) → RoPE's (cos, sin), each (T, Dh) in ``dtype``, with angle 0 on the dropped pairs; None (no
+        rotation: NoPE exactly) when no pair is kept and the scaling method's attention factor is 1."""
+        if self.kept == 0 and self.frequencies(pos, self.rotated)[1] == 1.0:
+            return None
+        return super().rotation(pos, dtype)
+
+    def rotate(self, q, k, rotation):
+        return (q, k) if rotation is None else super().rotate(q, k, rotation)
 
 
 @register("xpos")
