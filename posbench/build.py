@@ -65,7 +65,8 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
 
     The scheme's parameters are drawn from their own random stream, seeded by one number taken from torch's
     global generator, so that every other parameter is bit-identical whichever scheme (and whatever table
-    size) is built after the same ``torch.manual_seed``: a comparison differs in positions only.
+    size) is built after the same ``torch.manual_seed``: a comparison differs in positions only. A scheme whose
+    Config says ``per_layer`` (FIRE's and CoPE's option) is built ``n_layer`` times, layer 0's first, from that stream.
 
     Raises:
         KeyError: the spec has no ``vocab_size``.
@@ -86,9 +87,12 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
     scheme_seed = int(torch.randint(2**62, (), device="cpu"))  # (the CPU generator, also under a meta device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(scheme_seed)
-        scheme = SCHEMES[name](m["d_model"], m["n_head"], config)
+        if getattr(config, "per_layer", False):  # one instance per attention layer, drawn in turn
+            scheme = [SCHEMES[name](m["d_model"], m["n_head"], config) for _ in range(m["n_layer"])]
+        else:
+            scheme = SCHEMES[name](m["d_model"], m["n_head"], config)
     return GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
-               scale_embeddings=m["scale_embeddings"])
+               scale_embeddings=m["scale_embeddings"], attn_scale=m["attn_scale"], scale_length=m["scale_length"])
 
 
 def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:

@@ -23,6 +23,7 @@ from posbench.upgrade import upgrade
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
            "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
 FT_KEYS = ("train.seq_len", "train.steps")  # what a fine-tuned run's label states (ft512×200)
+TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions")  # what every label states (+rand2048)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
 
 
@@ -147,7 +148,8 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
 
     * label keys per run label (:func:`label_of`: ``rope``, ``rope+yarn×16``, ``rope+yarn×4 ft512×200``):
       the scheme's own keys (``scheme.*``) that differ between its runs, then every other key with more than one value across all records (not seeds, evaluation
-      or bookkeeping keys: :data:`IGNORED`; for a fine-tuned run's label, not what it states: :data:`FT_KEYS`);
+      or bookkeeping keys: :data:`IGNORED`; not the tricks every label states: :data:`TRICK_KEYS`; for a fine-tuned
+      run's label, not what it states: :data:`FT_KEYS`);
     * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or
       the evaluation settings of the table titles; null and [] left out);
     * the keys that differ but label no row (bookkeeping, ``eval.batch_tokens``), with their values;
@@ -164,7 +166,7 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
         by_scheme[label_of(rec)].append(f)
         if rec.get("lineage"):
             fine_tuned.add(label_of(rec))
-    common = [k for k in keys if len(values[k]) > 1 and not k.startswith(("scheme.", *IGNORED))]
+    common = [k for k in keys if len(values[k]) > 1 and not k.startswith(("scheme.", *IGNORED, *TRICK_KEYS))]
     own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
            for name, group in by_scheme.items()}
     labels = {name: [*own[name], *(k for k in common if name not in fine_tuned or k not in FT_KEYS)] for name in by_scheme}

@@ -14,6 +14,7 @@ Scheme, model and data code never see these objects: the jobs hand them plain va
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import typing
 from dataclasses import dataclass, field, is_dataclass
@@ -23,11 +24,13 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import passkey
+from posbench.model import ATTN_SCALES
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/lineage.py
 SPLITS = ("validation", "test")
+log = logging.getLogger("posbench")
 DEFAULT_SCHEME = "rope"  # a recorded config without scheme.name (train.yaml's default, the old schema's too)
 
 
@@ -44,6 +47,8 @@ class ModelConfig:
     d_ff: int = 512
     dropout: float = 0.0
     scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
+    attn_scale: str = "none"  # none | log_n | ssmax: queries × a factor of the keys they see (posbench/model.py GPT)
+    scale_length: Optional[int] = None  # L of log_n's ln n / ln L; None = the train length (log_n only)
 
 
 @dataclass
@@ -303,14 +308,17 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
     ``trained_length`` is the length the weights were trained at when that is not ``train.seq_len`` (a run started
     from a parent's weights, ``init_from``: the parent's L); derived scheme options are filled from it (RoPE's
-    ``original_length``: the length a scaling method scales from).
+    ``original_length``: the length a scaling method scales from), as is ``model.scale_length`` (log-n scaling's L).
+    Logs a warning when ``train.random_positions`` (M) is below the longest evaluation length: positions past M
+    are never seen in training.
 
     Raises:
         ConfigError: a key the schema lacks, a non-positive length or size, an evaluation length < 2, an empty
             ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
             registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
             starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
-            protocol or split, a stride outside 1…min(lengths), ``train.steps=0`` without ``init_from`` (0 steps:
+            protocol or split, an unknown ``model.attn_scale`` or a ``model.scale_length`` < 2 or given without
+            ``log_n``, ``train.random_positions`` below L or for a scheme that reads no positions, a stride outside 1…min(lengths), ``train.steps=0`` without ``init_from`` (0 steps:
             a parent evaluated as it is), ``init_rows`` not in :data:`INIT_ROWS`, optimizer values that would break training
             (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or, when
             ``training`` (a training job, not a re-evaluation of a recorded config), ``train.device=cuda`` on a
@@ -343,6 +351,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
     if (m.d_model // m.n_head) % 2:
         raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    _attention_scaling(m, trained_length or t.seq_len)
     _optimizer_values(t)
     if training:  # (posbench eval reads a run's recorded train.device, which need not exist on this machine)
         check_device("train.device", t.device)
@@ -359,6 +368,9 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         if not SCHEMES[s.name].reads_positions():
             raise ConfigError(f"train.random_positions={t.random_positions} but scheme={s.name} uses no positions: "
                               "drop train.random_positions, or choose a scheme that reads them")
+        if t.random_positions < longest_length(cfg.eval):
+            log.warning("train.random_positions=%d is below the longest evaluation length %d: positions from %d on are "
+                        "never seen in training", t.random_positions, longest_length(cfg.eval), t.random_positions)
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
     try:
@@ -370,6 +382,22 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         for key, value in dataclasses.asdict(resolved).items():
             s[key] = value
     return cfg
+
+
+def _attention_scaling(m: DictConfig, seq_len: int) -> None:
+    """Check ``model.attn_scale`` and fill log-n's ``model.scale_length`` (None → the train length ``seq_len``)."""
+    if m.attn_scale not in ATTN_SCALES:
+        raise ConfigError(f"model.attn_scale={m.attn_scale!r} is unknown; choose one of: {', '.join(ATTN_SCALES)}")
+    if m.attn_scale != "log_n":
+        if m.scale_length is not None:
+            raise ConfigError(f"model.scale_length={m.scale_length} applies to model.attn_scale=log_n only "
+                              f"(model.attn_scale={m.attn_scale}): drop it")
+        return
+    if m.scale_length is None:
+        m.scale_length = seq_len
+    if m.scale_length < 2:
+        raise ConfigError(f"model.scale_length={m.scale_length} is not allowed: log-n scaling divides by ln L, "
+                          "so L must be >= 2")
 
 
 def to_dict(cfg: DictConfig) -> dict:

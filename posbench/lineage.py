@@ -175,9 +175,10 @@ def load(model: torch.nn.Module, parent: Parent, rows: str, new_length: int, dev
     missing = [k for k in result.missing_keys if not k.startswith("scheme.")]
     if missing or result.unexpected_keys:
         raise ValueError(f"the parent's weights lack {missing} and have extra {result.unexpected_keys}")
-    if type(model.scheme) is SCHEMES.get(parent.scheme["name"]):
-        model.scheme.adopt({k[len("scheme."):]: v for k, v in trained.items() if k.startswith("scheme.")}, rows,
-                           parent.length, new_length)
+    if type(model.layer_schemes[0]) is SCHEMES.get(parent.scheme["name"]):
+        for prefix, scheme in model.scheme_parts():  # one, or one per layer (the parent's per_layer is the run's)
+            scheme.adopt({k[len(prefix):]: v for k, v in trained.items() if k.startswith(prefix)}, rows,
+                         parent.length, new_length)
     elif rows != "scheme":
         raise ValueError(f"init_rows={rows}: the scheme changed, so there is no parent table to interpolate")
 

@@ -4,12 +4,14 @@ One recipe for every scheme (docs/design.md §2), so that a comparison differs i
 embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
 code of the ALiBi paper; Vaswani et al. 2017, §3.4), weights start as in GPT-2, and the head is tied.
 
-The positional scheme is a module handed in at construction; the model calls its hooks (``embed``,
-``rotation``/``rotate``, ``score_mod``; see posbench/positional.py) and nothing else. Once per forward pass
-the model builds an attention context (posbench/attention.py: the positions, the scheme's rotation tables,
-the attention kernel and its bias or masks), which every layer shares; each layer hands its q, k, v to
-``attention.attend``: causal SDPA when the scheme has no bias, otherwise a kernel chosen for the scheme and
-device (FlexAttention on CUDA; ALiBi folded into SDPA on CPU) that never materialises a (B, H, T, T) tensor.
+The positional scheme is a module handed in at construction (one shared by every layer, or one per layer for a
+scheme built that way); the model calls its hooks (``embed``, ``rotation``/``rotate``, ``score_mod``; see
+posbench/schemes/base.py) and nothing else. Once per forward pass and scheme instance the model builds an
+attention context (posbench/attention.py: the scheme, the positions, its rotation tables, the attention kernel and
+its bias or masks), which the layers of that instance share; each layer hands its q, k, v to ``attention.attend``:
+causal SDPA when the scheme has no bias, otherwise a kernel chosen for the scheme and device (FlexAttention on CUDA;
+ALiBi folded into SDPA on CPU) that never materialises a (B, H, T, T) tensor. ``attn_scale`` multiplies each query
+by a factor of the number of keys it sees (log-n scaling, Scalable-Softmax) before any kernel runs.
 
     scheme = build_scheme("alibi", d_model=128, n_head=4)
     model = GPT(vocab_size=4096, n_layer=4, n_head=4, d_model=128, d_ff=512, scheme=scheme)
@@ -30,6 +32,9 @@ from torch import nn
 
 from posbench import attention
 from posbench.schemes.base import PositionalScheme
+
+ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: length-dependent attention scaling (GPT's docstring)
+SSMAX_INIT = 0.43  # s of SSMax at initialisation: the default of the unofficial scalable-softmax package (PyPI)
 
 
 class HeadNLL(torch.autograd.Function):
@@ -69,20 +74,27 @@ class HeadNLL(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention whose positions come from the shared scheme, through the context
-    of the forward pass (posbench/attention.py: kernel, rotation tables, bias; dropout included)."""
+    """Causal multi-head self-attention whose positions come from the context of the forward pass
+    (posbench/attention.py: this layer's scheme, kernel, rotation tables, bias; dropout included), with the
+    length-dependent scaling of the queries ``attn_scale`` (:data:`ATTN_SCALES`; see :class:`GPT`)."""
 
-    def __init__(self, d_model: int, n_head: int, scheme: PositionalScheme):
+    def __init__(self, d_model: int, n_head: int, attn_scale: str = "none"):
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
-        self.scheme = [scheme]  # a list, so the shared scheme is registered once, in GPT
+        if attn_scale == "ssmax":  # Nakanishi 2025: s learned per head (and per layer)
+            self.ssmax = nn.Parameter(torch.full((n_head,), SSMAX_INIT))  # (H,)
 
-    def forward(self, x: torch.Tensor, ctx: attention.Context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: attention.Context, log_n: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, D); log_n: None (no scaling), or the (T, 1) factor of ``log_n`` scaling, or ln n (T, 1) for
+        ``ssmax``, n = 1 … T the keys each query sees → (B, T, D)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
-        q, k = self.scheme[0].rotate(q, k, ctx.rotation)
+        q, k = ctx.scheme.rotate(q, k, ctx.rotation)
+        if log_n is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
+            factor = self.ssmax[:, None, None] * log_n.to(self.ssmax.dtype) if hasattr(self, "ssmax") else log_n
+            q = q * factor.to(q.dtype)  # factor: (H, T, 1) or (T, 1)
         y = attention.attend(q, k, v, ctx)  # (B, H, T, Dh)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
 
@@ -90,15 +102,15 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model, n_head, d_ff, dropout, scheme):
+    def __init__(self, d_model, n_head, d_ff, dropout, attn_scale="none"):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head, scheme)
+        self.attn = Attention(d_model, n_head, attn_scale)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, ctx):
-        x = x + self.drop(self.attn(self.ln1(x), ctx))
+    def forward(self, x, ctx, log_n=None):
+        x = x + self.drop(self.attn(self.ln1(x), ctx, log_n))
         return x + self.mlp(self.ln2(x))  # (B, T, D)
 
 
@@ -109,37 +121,76 @@ class GPT(nn.Module):
         vocab_size: V, tokens in the vocabulary.
         n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
         dropout: dropout probability on residual branches (0 disables it).
-        scheme: the positional scheme, shared by all layers.
+        scheme: the positional scheme, shared by all layers; or a list of ``n_layer`` schemes of one class, one per
+            layer (a scheme whose reference builds one per attention layer: ``scheme.per_layer``, FIRE's and CoPE's;
+            posbench.build.build_model makes them). Registered as ``self.scheme``: the scheme itself (state-dict keys
+            ``scheme.*``), or an ``nn.ModuleList`` (``scheme.<layer>.*``).
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
             GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
+        attn_scale: length-dependent attention scaling (:data:`ATTN_SCALES`), a factor on each query, so on its
+            logits q·k/√Dh (a scheme's additive bias is not scaled), n = t + 1 the keys query t of a window sees
+            (causal by index, whatever the positions):
+            ``none``: 1 (the model as before, bit for bit);
+            ``log_n``: ln n / ln L, L = ``scale_length`` (Chiang & Cholak 2022, "Overcoming a theoretical
+            limitation of self-attention", ACL, arXiv:2202.12172: logits multiplied by log n; divided here by log L
+            so that the factor is 1 at n = L);
+            ``ssmax``: s_h·ln n, s_h learned per head and layer, initialised to :data:`SSMAX_INIT` (Nakanishi 2025,
+            "Scalable-Softmax Is Superior for Attention", arXiv:2501.19399: SSMax(z)_i = n^(s·z_i) / Σ_j n^(s·z_j),
+            i.e. softmax(s·ln n · z)).
+        scale_length: L of ``log_n`` (the train length), an int >= 2; unused otherwise.
     Raises:
-        ValueError: ``n_head`` does not divide ``d_model``.
+        ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not ``n_layer`` long, of several classes,
+            or of a class that embeds positions (it would add them once, before the first layer); an unknown
+            ``attn_scale``; ``log_n`` without a ``scale_length`` >= 2.
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
     by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them.
     """
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
-                 scheme: PositionalScheme, dropout: float = 0.0, scale_embeddings: bool = True):
+                 scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
+                 attn_scale: str = "none", scale_length: int | None = None):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
-        self.scheme, self.n_head, self.dropout = scheme, n_head, dropout
+        if attn_scale not in ATTN_SCALES:
+            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(ATTN_SCALES)}")
+        if attn_scale == "log_n" and not (isinstance(scale_length, int) and scale_length >= 2):
+            raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
+        self.layer_schemes = list(scheme) if isinstance(scheme, (list, tuple)) else [scheme] * n_layer  # one per layer
+        kinds = {type(s) for s in self.layer_schemes}
+        if len(self.layer_schemes) != n_layer or len(kinds) != 1:
+            raise ValueError(f"{len(self.layer_schemes)} schemes of {len(kinds)} classes for {n_layer} layers: give one "
+                             "scheme, or one per layer of one class")
+        per_layer = isinstance(scheme, (list, tuple))
+        if per_layer and type(self.layer_schemes[0]).embed is not PositionalScheme.embed:
+            raise ValueError(f"{type(self.layer_schemes[0]).__name__} adds positions to the embeddings, once: it cannot "
+                             "be built per layer")
+        self.scheme = nn.ModuleList(self.layer_schemes) if per_layer else scheme
+        self.n_head, self.dropout = n_head, dropout
+        self.attn_scale, self.scale_length = attn_scale, scale_length
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, scheme) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, attn_scale) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied input and output embeddings
         for name, p in self.named_parameters():
-            if name.startswith("scheme."):
+            if name.startswith("scheme.") or name.endswith(".ssmax"):
                 continue
             if p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+
+    def scheme_parts(self) -> list[tuple[str, PositionalScheme]]:
+        """Each scheme instance with its state-dict prefix: ``[("scheme.", scheme)]`` when shared,
+        ``[("scheme.0.", layer 0's), …]`` per layer."""
+        if isinstance(self.scheme, nn.ModuleList):
+            return [(f"scheme.{i}.", s) for i, s in enumerate(self.scheme)]
+        return [("scheme.", self.scheme)]
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 last: int | None = None) -> torch.Tensor:
@@ -149,11 +200,14 @@ class GPT(nn.Module):
         does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor)."""
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.scheme.embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
-        # once per pass, shared by every layer: the attention kernel, rotation tables, bias blocks
-        ctx = attention.context(self.scheme, pos, self.n_head, x.dtype, self.dropout if self.training else 0.0)
-        for block in self.blocks:
-            x = block(x, ctx)
+        x = self.drop(self.layer_schemes[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
+        # once per pass and scheme instance (every layer's, or each layer's own): kernel, rotation tables, bias blocks
+        dropout = self.dropout if self.training else 0.0
+        distinct = {id(s): s for s in self.layer_schemes}.values()  # (one instance, or one per layer)
+        contexts = {id(s): attention.context(s, pos, self.n_head, x.dtype, dropout) for s in distinct}
+        log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
+        for block, scheme in zip(self.blocks, self.layer_schemes):
+            x = block(x, contexts[id(scheme)], log_n)
         x = self.ln_f(x)  # (B, T, D)
         if targets is None:
             return self.head(x if last is None else x[:, -last:])  # (B, T, V) or (B, last, V)
@@ -164,3 +218,8 @@ class GPT(nn.Module):
         else:
             nll = nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), targets.flatten(), reduction="none")
         return nll.view(targets.shape)  # (B, T)
+
+    def _log_n(self, T: int, device) -> torch.Tensor:
+        """(T, 1) float64: ln n for n = 1 … T (``ssmax``), divided by ln L for ``log_n``."""
+        log_n = torch.arange(1, T + 1, device=device, dtype=torch.float64).log()[:, None]  # (T, 1)
+        return log_n / math.log(self.scale_length) if self.attn_scale == "log_n" else log_n

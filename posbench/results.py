@@ -55,12 +55,23 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     (:func:`posbench.schemes.variant_label`: ``rope``, ``rope+yarn×4``), then, for a run started from a parent's
     weights (``lineage``: posbench/lineage.py), what it did from there: ``ft<L>×<steps>`` (fine-tuned at length L
     for that many steps; ×0: the parent's weights evaluated as they are), and the parent's scheme when it changed
-    (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``)."""
-    label = variant_label(config["scheme"])
+    (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``).
+    Training-side tricks follow the scheme's label: randomized positions (``+rand<M>``, ``train.random_positions``)
+    and length-dependent attention scaling (``+log_n``, ``+ssmax``, ``model.attn_scale``): ``alibi+rand1024``."""
+    label = variant_label(config["scheme"]) + tricks_label(config)
     if not lineage:
         return label
     changed = f"{lineage['scheme']}→" if lineage.get("scheme") not in (None, config["scheme"]["name"]) else ""
     return f"{changed}{label} ft{config['train']['seq_len']}" + (f"×{config['train']['steps']}" if steps else "")
+
+
+def tricks_label(config: dict) -> str:
+    """``+rand<M>`` and ``+log_n`` (``+log_n<L'>`` when its ``model.scale_length`` is not the train length) or ``+ssmax``
+    for the tricks a config trains with; "" for none (older records lack the keys: none)."""
+    train, model = config.get("train") or {}, config.get("model") or {}
+    scale, length = model.get("attn_scale") or "none", model.get("scale_length")
+    scale = "" if scale == "none" else f"+{scale}" + (str(length) if length not in (None, train.get("seq_len")) else "")
+    return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + scale
 
 
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:

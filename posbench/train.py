@@ -305,9 +305,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: st
 
 def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019). Decayed: the model's matrices (dim ≥ 2: embeddings, projections);
-    not decayed: biases and LayerNorm gains. A scheme's parameters (``scheme.*``) are decayed exactly when
-    its class says so (``PositionalScheme.weight_decay``), whatever their rank."""
-    scheme_decays = model.scheme.weight_decay
+    not decayed: biases, LayerNorm gains and SSMax's s. A scheme's parameters (``scheme.*``, shared or per layer) are
+    decayed exactly when its class says so (``PositionalScheme.weight_decay``), whatever their rank."""
+    scheme_decays = model.layer_schemes[0].weight_decay
 
     def decayed(name: str, p: torch.Tensor) -> bool:
         return scheme_decays if name.startswith("scheme.") else p.dim() >= 2

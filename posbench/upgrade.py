@@ -9,7 +9,9 @@ Every key a record lacks reads as its default, except where the default would mi
   ``Config`` lacks are dropped;
 * a rotary scheme section with ``scaling: yarn`` but no ``yarn_ramp`` in a results record of format 3 or older, or in
   a checkpoint or training state (format 3, which records every option since ``yarn_ramp`` exists), was written with
-  the paper's ramp, before the reference ramp became the default: its ``yarn_ramp`` reads as ``paper``.
+  the paper's ramp, before the reference ramp became the default: its ``yarn_ramp`` reads as ``paper``;
+* a recorded section of a scheme with a ``per_layer`` option (FIRE) but without the key was written when one
+  instance served every layer: its ``per_layer`` reads as false (today's records hold every option).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def scheme_section(scheme: dict, fmt: int | None = None) -> dict:
         options = {k: v for k, v in options.items() if k in cls.options()}
     if fmt is not None and fmt < 4 and "yarn_ramp" in cls.options() and options.get("scaling") == "yarn":
         options.setdefault("yarn_ramp", "paper")  # recorded before scheme.yarn_ramp existed: the paper's ramp
+    if fmt is not None and "per_layer" in cls.options():
+        options.setdefault("per_layer", False)  # recorded before per-layer schemes existed: shared
     try:
         cls.make_config(**options)
     except ValueError as e:

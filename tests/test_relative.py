@@ -328,7 +328,7 @@ def test_a_model_s_loss_reaches_every_learned_parameter(name):
     idx = torch.randint(0, VOCAB, (2, 2 * L + 1), generator=torch.Generator().manual_seed(1))
     model(idx[:, :-1], targets=idx[:, 1:]).mean().backward()
     params = dict(model.scheme.named_parameters())
-    assert params and model.scheme.weight_decay is False
+    assert params and model.layer_schemes[0].weight_decay is False
     for n, p in params.items():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
 
@@ -349,7 +349,7 @@ def test_a_checkpoint_round_trip_gives_the_same_outputs(name):
         assert torch.equal(fresh(idx), model(idx))
     assert spec["scheme"]["name"] == name
     if name == "fire":
-        assert spec["scheme"]["threshold"] == L  # resolved from the train length, recorded in the spec
+        assert spec["scheme"]["threshold"] == 512 and spec["scheme"]["per_layer"]  # the reference's, recorded in the spec
 
 
 # ---- KERPLE stays in range -----------------------------------------------------------------------------
@@ -403,14 +403,14 @@ def test_config_refuses_bad_values(name, options, message):
 def test_config_defaults_and_resolution():
     fire = SCHEMES["fire"].Config()
     fire.resolve(128, 2048)
-    assert (fire.mlp_width, fire.init_c, fire.threshold) == (32, 0.1, 128)  # the threshold starts at L
-    kept = SCHEMES["fire"].Config(threshold=512)
-    kept.resolve(128, 2048)
-    assert kept.threshold == 512
+    assert (fire.mlp_width, fire.init_c, fire.threshold, fire.per_layer) == (32, 0.1, 512, True)  # the reference's
+    earlier = SCHEMES["fire"].Config(threshold=None)
+    earlier.resolve(128, 2048)
+    assert earlier.threshold == 128  # null: the threshold starts at L
     t5 = SCHEMES["t5"].Config()
     t5.resolve(128, 2048)
     assert (t5.num_buckets, t5.max_distance) == (32, 128)
-    assert build_scheme("fire", H * DH, H).config.threshold == 512  # never resolved: the paper code's init_L
+    assert build_scheme("fire", H * DH, H, threshold=None).config.threshold == 512  # never resolved: init_L
     with pytest.raises(ValueError, match="scheme.dim"):
         build_scheme("sandwich", 12, 4)  # head width 3, odd: Sandwich needs an even code width
     assert make_scheme("sandwich", dim=None).half == DH // 2  # null: the head width
@@ -432,7 +432,7 @@ def test_posbench_train_debug_fast_composes_and_finalizes(name, registered):
         seq_len = cfg["train"]["seq_len"]
         expected = {"t5": {"num_buckets": 32, "max_distance": 128}, "kerple_log": {"r1_max": None, "r2_max": None},
                     "kerple_power": {"r1_max": None, "r2_max": None}, "sandwich": {"dim": None},
-                    "fire": {"mlp_width": 32, "init_c": 0.1, "threshold": seq_len}}[name]
+                    "fire": {"mlp_width": 32, "init_c": 0.1, "threshold": 512, "per_layer": True}}[name]
         assert cfg["scheme"] == {"name": name, **expected}
         spec = build.model_spec(cfg, VOCAB)
         build.build_model(spec, {"model": {"n_layer": 1}})  # the composed config builds a model

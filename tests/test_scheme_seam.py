@@ -230,7 +230,8 @@ def test_model_spec_is_exact_and_resolved():
     cfg = {"scheme": {"name": "learned"}, "model": {"name": "tiny", "n_layer": 2}, "train": {"seq_len": 20}}
     assert build.model_spec(cfg, VOCAB) == {
         "vocab_size": VOCAB, "scheme": {"name": "learned", "max_positions": 320},  # 16·L
-        "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "scale_embeddings": True}}
+        "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "scale_embeddings": True,
+                  "attn_scale": "none", "scale_length": None}}
 
 
 def test_build_model_overrides_and_defaults():

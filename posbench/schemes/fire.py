@@ -5,10 +5,13 @@ With i the query position and j the key position (j ≤ i: the attention's causa
 ``score_mod`` adds the MLP's output for head h. The hidden layer is unrolled in Python (a sum of ``mlp_width``
 pointwise terms), so FlexAttention's 0-d calls and the dense kernel's broadcast calls take the same code. The bias
 depends on i, not only on i − j. Its parameters are initialised here (the model does not re-initialise
-``scheme.*``).
+``scheme.*``). As its reference code, FIRE is built once per attention layer with its threshold starting at 512
+(``per_layer=true``, ``threshold=512``); ``per_layer=false threshold=null`` is posbench's earlier FIRE (one for
+every layer, the threshold starting at the train length L), bit for bit.
 
     from posbench.schemes import build_scheme
-    fire = build_scheme("fire", d_model=128, n_head=4, threshold=128)
+    fire = build_scheme("fire", d_model=128, n_head=4)                                  # one layer's FIRE
+    shared = build_scheme("fire", d_model=128, n_head=4, per_layer=False, threshold=128)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 from posbench.schemes.base import PositionalScheme, is_int, is_number, register
 
-REFERENCE_INIT_L = 512  # the paper code's FIRE(..., init_L=512.0): L₀ of a Config built without the train length
+REFERENCE_INIT_L = 512  # the reference code's FIRE(..., init_L=512.0): the default L₀
 
 
 @register("fire")
@@ -34,16 +37,16 @@ class Fire(PositionalScheme):
 
     f_θ: an MLP 1 → ``mlp_width`` (ReLU) → H, one output per head; c and the threshold L_thr learned. As the
     paper's code (its appendix): ψ takes |c·x| (so any c works), the normaliser gets + 1e-6, and L_thr is
-    |m·L₀| with a learned multiplier m (init 1) and L₀ fixed — here the ``threshold`` option, which resolves to
-    the train length L, the paper's initialisation (a Config never filled with L, e.g. ``build_scheme("fire", D, H)``,
-    gets :data:`REFERENCE_INIT_L` = 512, the default ``init_L`` of the paper's code; ``posbench train`` always fills
-    it, so a checkpoint records the value it trained with). c starts at ``init_c`` (0.1, the paper's); the MLP has
-    PyTorch's default Linear initialisation, as the paper's code. i is the query's position as the model
-    gives it (0 … T−1 from the window start by default), so the bias depends on i as well as on i − j: FIRE is
-    not translation-invariant. The hidden layer is unrolled in ``score_mod`` (a sum of ``mlp_width`` pointwise
-    terms), so FlexAttention's 0-d calls and the dense kernel run the same code. One FIRE serves every
-    layer, as one instance of any scheme does in posbench's model (KERPLE's and T5's reference code share
-    theirs across layers too); the paper's code gives each attention layer its own.
+    |m·L₀| with a learned multiplier m (init 1) and L₀ fixed — here the ``threshold`` option: by default
+    :data:`REFERENCE_INIT_L` = 512, the default ``init_L`` of the reference code (mcleish7/arithmetic,
+    ``cramming/architectures/embeddings.py``, ``FIRE(..., init_L=512.0)``); null resolves to the train length L.
+    c starts at ``init_c`` (0.1, the paper's); the MLP has PyTorch's default Linear initialisation, as the paper's
+    code. i is the query's position as the model gives it (0 … T−1 from the window start by default), so the bias
+    depends on i as well as on i − j: FIRE is not translation-invariant. The hidden layer is unrolled in
+    ``score_mod`` (a sum of ``mlp_width`` pointwise terms), so FlexAttention's 0-d calls and the dense kernel run
+    the same code. ``per_layer`` (default true): the model holds one FIRE per attention layer, each with its own
+    c, L_thr and MLP, as the reference code builds one in every attention layer; false shares one across layers,
+    as KERPLE's and T5's reference code share theirs.
     """
 
     has_bias = True
@@ -57,11 +60,14 @@ class Fire(PositionalScheme):
     class Config(PositionalScheme.Config):
         """mlp_width: hidden units of f_θ (the paper: 32), an int >= 1.
         init_c: the initial c of ψ(x) = log(c·x + 1) (the paper: 0.1), a number > 0.
-        threshold: L₀, the initial threshold L_thr (the paper: the train length); None resolves to L; an int >= 1."""
+        threshold: L₀, the initial threshold L_thr, an int >= 1: 512, the reference code's ``init_L``; null resolves
+            to the train length L (posbench's earlier default).
+        per_layer: one FIRE per attention layer (true, the reference code's) or one shared by every layer."""
 
         mlp_width: int = 32
         init_c: float = 0.1
-        threshold: Optional[int] = None
+        threshold: Optional[int] = REFERENCE_INIT_L
+        per_layer: bool = True
 
         def fill(self, seq_len: int) -> None:
             if self.threshold is None:
@@ -75,6 +81,8 @@ class Fire(PositionalScheme):
             if self.threshold is not None and (not is_int(self.threshold) or self.threshold < 1):
                 raise ValueError(f"threshold={self.threshold!r}: FIRE's threshold must be an integer >= 1 "
                                  f"(null: the train length)")
+            if not isinstance(self.per_layer, bool):
+                raise ValueError(f"per_layer={self.per_layer!r}: true (one FIRE per layer) or false (one shared)")
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
