@@ -7,8 +7,8 @@ and the bias it needs, shared by every layer), then :func:`attend` once per laye
     q, k = scheme.rotate(q, k, ctx.rotation)                          # q, k, v: (B, H, T, Dh)
     y = attention.attend(q, k, v, ctx)                                # (B, H, T, Dh)
 
-The kernel follows from the scheme's class attributes ``has_bias`` and ``key_only_bias`` (never from probing a
-hook), the device, the dtype, whether gradients are on, and dropout (:func:`choose_kernel`):
+The kernel follows from the scheme's class attributes ``contextual``, ``has_bias`` and ``key_only_bias`` (never
+from probing a hook), the device, the dtype, whether gradients are on, and dropout (:func:`choose_kernel`):
 
 * ``causal`` — no bias: ``F.scaled_dot_product_attention(is_causal=True)``.
 * ``flex``   — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias
@@ -26,6 +26,12 @@ hook), the device, the dtype, whether gradients are on, and dropout (:func:`choo
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
   causal mask materialised one block of queries at a time (at most :data:`BIAS_ELEMENTS` floats), built once
   per forward pass for all layers when the whole mask fits in that budget.
+* ``contextual`` — a scheme whose bias depends on the content (CoPE, ``contextual = True``), on every device,
+  with and without gradients: per block of queries (at most :data:`CONTEXT_ELEMENTS` scores, counting the
+  batch), the scores q·kᵀ/√Dh against the keys up to the block's last query, −inf after each query, in float32 at
+  least (bf16 under autocast is widened), plus ``scheme.contextual_bias(q, scores)``, then softmax, dropout and
+  · v in plain tensor operations. It materialises every (query, key) score of the causal triangle, as the scheme's
+  own definition needs. No other scheme reaches it, and no other kernel does anything for it.
 
 Every kernel is causal by index (query t sees keys 0…t of its window) whatever the positions, and passes
 gradients to learned parameters used in ``score_mod`` (Flex on CPU is never chosen with gradients on).
@@ -33,7 +39,8 @@ gradients to learned parameters used in ``score_mod`` (Flex on CPU is never chos
 Measured (model=tiny: 4 layers, D 128, 4 heads, V 4096; 2 CPU threads, fp32, batch 1, no-grad forward, time
 over causal SDPA's): ALiBi folded 1.10× at 2048 tokens and 1.20× at 8192; the same bias through Flex compiled
 on CPU 1.30× and 1.57× (plus ~7 s of compilation per length), through the dense kernel 2.43× and 4.00×.
-Hence CPU runs ALiBi folded, and Flex for evaluation of a bias that cannot fold.
+Hence CPU runs ALiBi folded, and Flex for evaluation of a bias that cannot fold. CoPE through the contextual
+kernel: see scripts/benchmark.py for its cost against causal SDPA.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from posbench.schemes.base import PositionalScheme
 
 BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys floats) built at once, 64 MiB in fp32
 FOLD_QUERIES = 256  # folded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
-KERNELS = ("causal", "flex", "folded", "dense")
+CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
+KERNELS = ("causal", "flex", "folded", "dense", "contextual")
 log = logging.getLogger("posbench")
 
 try:
@@ -150,6 +158,8 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
                   grad: bool) -> str:
     """The kernel the module docstring describes for ``scheme`` on ``device`` with activations in ``dtype``,
     this attention dropout, and gradients on (``grad``) or off."""
+    if scheme.contextual:
+        return "contextual"
     if not scheme.has_bias:
         return "causal"
     flex = flex_attention is not None and not dropout
@@ -173,6 +183,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> t
         return _folded(q, k, v, ctx)
     if ctx.kernel == "flex":
         return _flex_attend(q, k, v, ctx)
+    if ctx.kernel == "contextual":
+        return _contextual(q, k, v, ctx)
     return _dense(q, k, v, ctx)
 
 
@@ -237,6 +249,37 @@ def _dense(q, k, v, ctx: Context) -> torch.Tensor:
                                                   attn_mask=mask.to(q.dtype)[None]))  # (B, H, e-s, Dh)
         # (a 4-D mask: SDPA's fused CPU kernel refuses a 3-D one and falls back to materialising the scores)
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+# ---- contextual: a bias the scheme computes from the queries and their scores, one block of queries at a time -----
+
+
+def contextual_blocks(B: int, H: int, T: int) -> list[tuple[int, int]]:
+    """Query blocks (start, end) whose scores (B, H, end − start, ≤ T) fit in :data:`CONTEXT_ELEMENTS`."""
+    per_block = max(1, CONTEXT_ELEMENTS // (B * H * T))
+    return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
+
+
+def _contextual(q, k, v, ctx: Context) -> torch.Tensor:
+    """softmax(q·kᵀ/√Dh + ``ctx.scheme.contextual_bias``, later keys masked) · v, per query block [s, e) against
+    keys 0…e−1 (:func:`_contextual_block`)."""
+    B, H, T, Dh = q.shape
+    out = [_contextual_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], s, ctx) for s, e in contextual_blocks(B, H, T)]
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+def _contextual_block(q, k, v, s: int, ctx: Context) -> torch.Tensor:
+    """Queries s…s+Q−1, q (B, H, Q, Dh), against keys 0…K−1, k and v (B, H, K, Dh) → (B, H, Q, Dh). The scores and
+    the softmax are in float32 at least (sums of 16-bit gates would round), the product with v in v's dtype. Its
+    block-sized tensors are freed on return, before the next block's are made."""
+    Q, K = q.shape[2], k.shape[2]
+    future = torch.ones(Q, K, dtype=torch.bool, device=q.device).triu(s + 1)  # (Q, K): key j after query s + a
+    scores = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32))  # (B, H, Q, K)
+    scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(future, float("-inf"))  # (in place: nothing saved here)
+    probs = (scores + ctx.scheme.contextual_bias(q, scores)).softmax(-1)  # (B, H, Q, K)
+    if ctx.dropout:
+        probs = F.dropout(probs, ctx.dropout)
+    return probs.to(v.dtype) @ v  # (B, H, Q, Dh)
 
 
 # ---- flex: FlexAttention, compiled once ------------------------------------------------------------------

@@ -38,6 +38,12 @@ b = ``dtype_bytes``; every figure is in bytes):
   (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with dropout, a fused kernel may take the
   learned bias too, and this part then overcounts.)
   Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
+  ``contextual`` (CoPE): every (query, key) pair of the query blocks, Σ_blocks Q·end "pairs" per batch row and head
+  (T² for one block, towards T²/2 for many). Training keeps per layer what autograd saves per pair (the gates, the
+  positions, their int64 floor, the interpolation weight and term, the probabilities: 28 bytes in fp32), measured
+  here by running the kernel on two small blocks under ``saved_tensors_hooks``, plus, while one block is computed, :data:`CONTEXT_TEMPORARIES`
+  block-sized float32 values (the scores, the positions, their int64 index, the gathered terms; in backward
+  their gradients) and the block's per-query tables (CoPE's q·e[n] for n < npos). Evaluation: those of one block.
 * logits: float32 whatever ``dtype_bytes``. On CPU in float32 (HeadNLL, posbench/model.py): the (B·T, V)
   gradient buffer in training, one 4 MiB chunk of logits in evaluation. Elsewhere (or with no device given) two
   (B·T, V) buffers: the float32 logits and log_softmax's output (in backward, their gradients).
@@ -52,24 +58,27 @@ Measured (tests/test_memory.py: model=tiny, 2 CPU threads, fp32; the RSS one ste
 against the estimate less the weights): rope training B=4 × T=1024 280–292 MiB, estimated 236; t5 (dense)
 training B=2 × T=1024 304–332 MiB, estimated 354; rope evaluation B=32 × T=1024 190 MiB, estimated 277. Once, not
 warmed up: t5 training B=1 × T=4096 (four query blocks) 1348 MiB, estimated 1451; alibi (folded) training
-B=2 × T=4096 580 MiB, estimated 646.
+B=2 × T=4096 580 MiB, estimated 646. CoPE (contextual) training B=2 × T=1024 1312–1440 MiB, estimated 1221; once,
+evaluation B=1 × T=4096 (16 query blocks) 330 MiB, estimated 198.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from posbench import attention
+from posbench.build import build_model
 from posbench.config import DEFAULT_SCHEME, ModelConfig
-from posbench.model import GPT
 from posbench.schemes import SCHEMES
 
 GiB = 1 << 30
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activations' dtype
 LOGIT_BYTES = 4  # the model computes the loss from float32 logits whatever autocast does (posbench/model.py)
 BLOCK_TEMPORARIES = 2  # dense, math path: block-sized tensors alive while one block is computed (see docstring)
+CONTEXT_TEMPORARIES = 8  # contextual: block-sized float32 values alive at once while one block is computed
 HEAD_CHUNK = 1 << 20  # CPU evaluation: HeadNLL's chunk of logits, in values (posbench/model.py: 4 MiB of float32)
 
 
@@ -139,12 +148,13 @@ def kernel_for(scheme_name: str, device: torch.device | str, training: bool, dro
 
 
 def parameter_count(spec: dict, seq_len: int) -> int:
-    """Parameters of the model ``spec`` describes (tied embeddings once), built on the meta device: no memory, no
-    random numbers drawn. A scheme option still None is filled from ``seq_len`` (the learned table: 16 × L)."""
+    """Parameters of the model ``spec`` describes (tied embeddings once), built by ``posbench.build.build_model`` on
+    the meta device (one scheme per layer where its Config says ``per_layer``): no memory, no random numbers drawn.
+    A scheme option still None is filled from ``seq_len`` (the learned table: 16 × L)."""
     m = _model_sizes(spec)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"],
-                    _scheme(spec, m, seq_len))
+        options = dataclasses.asdict(_scheme(spec, m, seq_len).config)  # filled from L
+        model = build_model({**spec, "scheme": {"name": _scheme_name(spec), **options}})
     return sum(p.numel() for p in model.parameters())
 
 
@@ -181,6 +191,8 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
         return L * (B * H * Dh1 * (3 * T + keys) * b + lse)
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training)
+    if kernel == "contextual":
+        return _contextual_bytes(spec, m, B, T, training)
     raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(attention.KERNELS)}")
 
 
@@ -200,6 +212,48 @@ def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool) ->
         return H * pairs * b * (1 if once else L) + L * B * H * T * LSE_BYTES
     probs = L * (B * H * pairs + 3 * B * T * D) * b  # softmax output (B, H, Q, end) per block; q, k, v copies
     return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
+
+
+def _contextual_bytes(spec: dict, m: dict, B: int, T: int, training: bool) -> int:
+    """Contextual kernel: per layer what autograd keeps per (query, key) pair and per query (training), plus one
+    block's temporaries."""
+    H = m["n_head"]
+    blocks = attention.contextual_blocks(B, H, T)  # [(start, end)]
+    pairs = B * H * sum((e - s) * e for s, e in blocks)  # scores of all blocks: Σ B·H·Q·end
+    block = B * H * max((e - s) * e for s, e in blocks)  # the largest block's scores
+    per_pair, per_query = _contextual_saved(spec, m, T)
+    # float32 whatever the activations (16-bit scores are widened), and the block's per-query tables (CoPE's q·e)
+    temporaries = CONTEXT_TEMPORARIES * block * 4 + int(per_query * B * H * (blocks[0][1] - blocks[0][0]))
+    if not training:
+        return temporaries
+    return int(m["n_layer"] * (per_pair * pairs + per_query * B * H * T)) + temporaries
+
+
+def _contextual_saved(spec: dict, m: dict, seq_len: int) -> tuple[float, float]:
+    """(bytes per (query, key) pair, bytes per query and head) that autograd keeps in the contextual kernel beyond
+    q, k, v and the scheme's parameters: fitted to two blocks measured under ``saved_tensors_hooks``, 32 and 64
+    queries against as many keys, float32, with the spec's scheme built on the CPU (options filled from
+    ``seq_len``). Per query: what does not grow with the keys (CoPE: q·e of each integer position)."""
+    H, Dh = m["n_head"], m["d_model"] // m["n_head"]
+    with torch.random.fork_rng(devices=[]):
+        scheme = _scheme(spec, m, seq_len)
+        inputs = {T: [torch.randn(1, H, T, Dh, requires_grad=True) for _ in range(3)] for T in (32, 64)}
+    kept = {}
+    for T, (q, k, v) in inputs.items():
+        skip = {t.untyped_storage().data_ptr() for t in (q, k, v, *scheme.parameters())}
+        saved: dict[tuple[int, int], int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in skip:
+                saved[(t.untyped_storage().data_ptr(), t.numel())] = t.numel() * t.element_size()
+            return t
+
+        ctx = attention.context(scheme, torch.arange(T), H, kernel="contextual")
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attention.attend(q, k, v, ctx)
+        kept[T] = sum(saved.values())  # = per_pair · H·T² + per_query · H·T
+    per_pair = (kept[64] / 64 - kept[32] / 32) / (H * 32)
+    return per_pair, max(0.0, kept[32] / (H * 32) - per_pair * 32)
 
 
 def _bias_graph(spec: dict, m: dict, T: int) -> tuple[float, bool]:
@@ -229,6 +283,10 @@ def _model_sizes(spec: dict) -> dict:
     """The spec's model section over ModelConfig's defaults (as posbench.build.build_model reads it)."""
     defaults = {k: v for k, v in vars(ModelConfig()).items() if k != "name"}
     return {**defaults, **spec.get("model", {})}
+
+
+def _scheme_name(spec: dict) -> str:
+    return (spec.get("scheme") or {}).get("name", DEFAULT_SCHEME)
 
 
 def _scheme(spec: dict, m: dict, seq_len: int):

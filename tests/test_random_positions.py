@@ -78,8 +78,21 @@ def test_a_randomized_run_from_the_command_line(run_cli, data_cache, tmp_path):
 
 
 @pytest.mark.parametrize("name, reads", [("nope", False), ("rope", True), ("alibi", True), ("learned", True),
-                                         ("sinusoidal", True), ("t5", True), ("fire", True)])
+                                         ("sinusoidal", True), ("t5", True), ("fire", True), ("cope", False)])
 def test_which_schemes_read_positions(name, reads):
     from posbench.schemes import SCHEMES
 
     assert SCHEMES[name].reads_positions() is reads
+
+
+@pytest.mark.parametrize("M, warned", [(48, True), (64, False), (256, False)])
+def test_a_warning_when_m_is_below_the_longest_evaluation_length(M, warned, data_cache, caplog):
+    """debug=fast evaluates at 32 and 64: positions past M are never trained on (the issue asks for a warning)."""
+    import logging
+
+    from posbench.config import finalize
+
+    with caplog.at_level(logging.WARNING, logger="posbench"):
+        finalize(compose(data_cache, f"train.random_positions={M}"))
+    expected = f"train.random_positions={M} is below the longest evaluation length 64"
+    assert (expected in caplog.text) == warned, caplog.text

@@ -39,7 +39,7 @@ class NaiveRotary(torch.nn.Module):
     dimensions unchanged. RoPE (Su et al. 2021), partial rotary (GPT-NeoX), xPos (Sun et al. 2022) with any
     frequencies f_i and YaRN's factor m."""
 
-    has_bias = key_only_bias = weight_decay = False
+    has_bias = key_only_bias = contextual = weight_decay = False
 
     def __init__(self, rotated: int, freqs: list[float], mscale: float = 1.0, xpos: tuple | None = None):
         super().__init__()

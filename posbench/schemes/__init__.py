@@ -3,9 +3,10 @@
     posbench/schemes/
       base.py          the interface (PositionalScheme, which is NoPE), its typed Config, @register
       absolute.py      sinusoidal, learned                      (embed)
-      rotary.py        rope, xpos                               (rotation, rotate)
+      rotary.py        rope, p_rope, xpos                       (rotation, rotate)
       rope_scaling.py  PI, NTK, dynamic NTK, YaRN for every rotary scheme: a registry of functions
       alibi.py, t5.py, kerple.py, sandwich.py, fire.py          (score_mod)
+      cope.py          CoPE: positions counted from the content  (contextual_bias, its own kernel)
 
 Every module of this folder is imported here, and each registers its schemes with ``@register("name")``, so a new
 scheme is one class in its family's file, or one new file, and nothing else: the command line (``scheme=<name>
@@ -27,7 +28,8 @@ from posbench.schemes.base import REGISTERED, PositionalScheme, register
 for _family in pkgutil.iter_modules(__path__):  # each family file registers its schemes as it is imported
     importlib.import_module(f"{__name__}.{_family.name}")
 
-ZOO = ("nope", "sinusoidal", "learned", "alibi", "t5", "kerple_log", "kerple_power", "sandwich", "fire", "rope", "xpos")
+ZOO = ("nope", "sinusoidal", "learned", "alibi", "t5", "kerple_log", "kerple_power", "sandwich", "fire", "rope", "xpos",
+       "p_rope", "cope")
 SCHEMES: dict[str, type[PositionalScheme]] = REGISTERED  # the registry: name → class, in ZOO's order, then by name
 for _name in sorted(REGISTERED, key=lambda n: (ZOO.index(n) if n in ZOO else len(ZOO), n)):
     SCHEMES[_name] = SCHEMES.pop(_name)  # (a scheme registered later, from outside this folder, comes last)

@@ -8,10 +8,12 @@ Every scheme is a :class:`PositionalScheme` that overrides one kind of hook (doc
                                          computed once per forward pass, then applied in every layer
 * ``score_mod(score, h, q_pos, k_pos)``  an additive attention bias (ALiBi, T5, KERPLE, Sandwich, FIRE), with
                                          ``has_bias = True``
+* ``contextual_bias(q, scores)``         a bias computed from the queries and their scores (CoPE), with
+                                         ``contextual = True``
 
 Positions are explicit absolute token indices, so an evaluator may shift or scale them. The model never probes a
-hook to learn what a scheme does: the class attributes ``has_bias`` and ``key_only_bias`` say it, and
-posbench/attention.py picks the attention kernel from them. A scheme's hyperparameters are a nested dataclass
+hook to learn what a scheme does: the class attributes ``has_bias``, ``key_only_bias`` and ``contextual`` say it,
+and posbench/attention.py picks the attention kernel from them. A scheme's hyperparameters are a nested dataclass
 ``Config``: ``resolve(seq_len, longest)`` fills its derived defaults (``fill``) and checks its values
 (``check``), once, where the run's config is made; the scheme's constructor takes the config as it is given.
 
@@ -55,6 +57,9 @@ class PositionalScheme(nn.Module):
     Class attributes (what the attention kernel is chosen from; posbench/attention.py):
         has_bias: ``score_mod`` adds a bias to the attention scores. False: causal attention is all there
             is, and the fastest causal kernel runs.
+        contextual: ``contextual_bias`` adds a bias that depends on the content (the queries and their scores), not
+            on positions alone, so it cannot be a pointwise ``score_mod``: the ``contextual`` kernel runs, which
+            materialises every (query, key) score, a block of queries at a time. False here.
         key_only_bias: the bias has the form b(h, i, j) = g(h, j) − g(h, i) for every query position i and key
             position j (any bias linear in i − j, such as ALiBi's, has it). Then, for a reference position c,
             b(h, i, j) = b(h, c, j) + (a term that depends on i alone), and softmax ignores a term constant
@@ -73,6 +78,7 @@ class PositionalScheme(nn.Module):
 
     has_bias: bool = False
     key_only_bias: bool = False
+    contextual: bool = False
     weight_decay: bool = False
     fine_tune_options: tuple[str, ...] = ()  # options a run started from this scheme's weights may change (init_from)
 
@@ -111,7 +117,8 @@ class PositionalScheme(nn.Module):
     @classmethod
     def reads_positions(cls) -> bool:
         """Whether the scheme uses positions at all: it overrides ``embed``, ``rotation`` or ``score_mod`` (NoPE does
-        not, so randomized training positions, ``train.random_positions``, mean nothing to it)."""
+        not, nor does CoPE, whose positions are counted from the content, so randomized training positions,
+        ``train.random_positions``, mean nothing to them)."""
         return any(getattr(cls, hook) is not getattr(PositionalScheme, hook) for hook in ("embed", "rotation", "score_mod"))
 
     @classmethod
@@ -179,6 +186,17 @@ class PositionalScheme(nn.Module):
         A scheme that overrides it sets ``has_bias = True``. Learned parameters used here get gradients.
         """
         return score
+
+    def contextual_bias(self, q: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The bias a contextual scheme adds to the scores of one block of queries, before the softmax: zeros here.
+
+        q: (B, H, Q, Dh) the block's queries (rotated where the scheme rotates); scores: (B, H, Q, K) their q·k/√Dh
+        against keys 0…K−1 of the window, −inf where the key comes after the query (by index), in float32 or float64
+        (a 16-bit q's scores are widened) → (B, H, Q, K) bias, finite where the score is. The ``contextual`` kernel
+        (posbench/attention.py) calls it, once per block and layer, with ``contextual = True``; it owns the blocks,
+        the mask, the softmax, dropout and the product with v. Gradients flow to q, to the scores (so to the keys)
+        and to the scheme's parameters."""
+        return torch.zeros_like(scores)
 
 
 def _shape(t: torch.Tensor | None) -> str:
