@@ -3,7 +3,9 @@
     python scripts/benchmark.py --out bench.json       # model=tiny, L=128, CPU fp32, 2 threads, all schemes
     python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --device cuda --dtype bf16 --compile
 
-On random tokens, one model per scheme (``posbench.build.build_model``, one seed), it measures:
+On random tokens, one model per case (``posbench.build.build_model``, one seed), it measures, for every registered
+scheme and, by default, RoPE and ALiBi with each length-dependent attention scaling (``rope+log_n``, ``alibi+ssmax``:
+``model.attn_scale``, a factor on the queries):
 
 * the matmul ceiling: 1024×1024 @ 1024×1024 in fp32 (bf16), 2·1024³ FLOPs, median of loops of 10 run in turn
   with the training steps (below), so both see the same machine;
@@ -22,14 +24,20 @@ On random tokens, one model per scheme (``posbench.build.build_model``, one seed
 nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise). Only ratios compare across machines (machines of
 one kind here differ 2× in speed). Targets (CPU fp32, model=tiny, 2 threads), printed ✓/✗ and in the JSON:
 every bias scheme's evaluation at 16L and 64L ≤ 1.5× nope's time and ≤ 2× nope's memory growth; ALiBi's train
-step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling. ``--compile`` compiles training only. A warning
-follows the table if posbench's source changed during the run (JSON ``source_changed``): re-run then.
+step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling. A contextual scheme (CoPE: ``contextual = True``, its
+positions counted from the content) has no evaluation target: it runs the contextual kernel, which materialises
+every (query, key) score by definition, so its cost grows with T² where causal SDPA's memory does not; its step and
+evaluation ratios to nope are printed after the table all the same (and are in the JSON). Every scheme is built
+with its options filled from L (``Config.fill``), as ``posbench train`` builds it (CoPE: npos = L + 1).
+``--compile`` compiles training only. A warning follows the table if posbench's source changed during the run
+(JSON ``source_changed``): re-run then.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -45,12 +53,14 @@ import torch
 
 import posbench
 from posbench.build import build_model
+from posbench.model import ATTN_SCALES
 from posbench.schemes import SCHEMES, PositionalScheme
 
 BASELINE = "nope"  # causal SDPA, no positions
 EVAL_TIME_X, EVAL_MEM_X, ALIBI_X_ROPE, CEILING_FRACTION = 1.5, 2.0, 1.10, 0.60
 TARGET_MULTIPLES = (16, 64)  # evaluation targets apply at 16L and 64L
 MARK = {True: "✓", False: "✗"}
+SCALED = ("rope+log_n", "rope+ssmax", "alibi+log_n", "alibi+ssmax")  # default cases with length-dependent scaling
 MEM_FLOOR = 1 << 20  # bytes: a smaller growth counts as this much in ratios
 N = 1024  # matmul ceiling size
 MIN_EVAL_SECONDS = 0.5  # short forwards are repeated past --repeats until they add up to this
@@ -67,8 +77,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed train steps per scheme; the median is kept")
     p.add_argument("--warmup", type=int, default=3, help="untimed train steps per scheme")
     p.add_argument("--lengths", type=int, nargs="+", help="evaluation lengths (default L·2^k up to 64L)")
-    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES), metavar="SCHEME",
-                   help=f"of {', '.join(SCHEMES)} (default all; nope, the baseline, is always added)")
+    p.add_argument("--schemes", nargs="+", default=[*SCHEMES, *SCALED], type=case_name, metavar="SCHEME[+SCALE]",
+                   help=f"of {', '.join(SCHEMES)}, each optionally with +{' or +'.join(ATTN_SCALES[1:])} "
+                        f"(model.attn_scale); default: all, and {' '.join(SCALED)} (nope, the baseline, is always added)")
     p.add_argument("--repeats", type=int, default=3, help="timings per evaluation case; the median is kept")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
@@ -79,17 +90,38 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_model(args, scheme: str) -> torch.nn.Module:
+def case_name(text: str) -> str:
+    """A benchmark case: a registered scheme, optionally ``+log_n`` or ``+ssmax`` (argparse's type check)."""
+    scheme, _, scale = text.partition("+")
+    if scheme not in SCHEMES or (scale and scale not in ATTN_SCALES[1:]):
+        raise argparse.ArgumentTypeError(f"{text!r}: a scheme of {', '.join(SCHEMES)}, optionally "
+                                         f"+{' or +'.join(ATTN_SCALES[1:])}")
+    return text
+
+
+def make_model(args, case: str) -> torch.nn.Module:
+    """The model of a case ``scheme[+scale]`` (model.attn_scale ``scale``, log-n's L the benchmark's L), seed 0."""
     torch.manual_seed(0)
+    scheme, _, scale = case.partition("+")
     spec = {"vocab_size": args.vocab, "scheme": {"name": scheme},
-            "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model}}
+            "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model,
+                      "attn_scale": scale or "none", "scale_length": args.seq_len if scale == "log_n" else None}}
+    if hasattr(SCHEMES[scheme], "make_config"):  # the options posbench train derives from L (CoPE's npos)
+        config = SCHEMES[scheme].make_config()
+        config.fill(args.seq_len)
+        spec["scheme"].update(dataclasses.asdict(config))
     if scheme == "learned":  # a table row for every evaluation position
         spec["scheme"]["max_positions"] = max(*args.lengths, args.seq_len)
     return build_model(spec).to(args.device)
 
 
-def has_bias(scheme: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook
+def has_bias(case: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook
+    scheme = case.partition("+")[0]
     return getattr(SCHEMES[scheme], "has_bias", getattr(SCHEMES[scheme], "bias", 0) is not getattr(PositionalScheme, "bias", 0))
+
+
+def contextual(case: str) -> bool:  # a content-dependent bias (CoPE): the contextual kernel, no evaluation target
+    return getattr(SCHEMES[case.partition("+")[0]], "contextual", False)
 
 
 def source_digest() -> str:
@@ -262,7 +294,7 @@ def main(argv=None) -> dict | None:
         for n, r in ev[s].items():
             base = ev[BASELINE][n]
             r["mem_x_nope"] = max(r["peak_growth_bytes"], MEM_FLOOR) / max(base["peak_growth_bytes"], MEM_FLOOR)
-            if has_bias(s) and n in (k * L for k in TARGET_MULTIPLES):
+            if has_bias(s) and not contextual(s) and n in (k * L for k in TARGET_MULTIPLES):
                 marks[s, n] = (check(targets, f"eval time at {n // L}L <= {EVAL_TIME_X}x nope's", s, r["time_x_nope"],
                                      EVAL_TIME_X, length=n),
                                check(targets, f"eval memory growth at {n // L}L <= {EVAL_MEM_X}x nope's", s,
@@ -279,6 +311,10 @@ def main(argv=None) -> dict | None:
               f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  |" + row)
     if alibi_x_rope is not None:
         print(f"alibi step / rope step = {alibi_x_rope:.3f} {MARK[alibi_x_rope <= ALIBI_X_ROPE]} (target <= {ALIBI_X_ROPE})")
+    for s in filter(contextual, schemes):
+        print(f"{s}: contextual kernel (every score materialised), no evaluation target: train step "
+              f"{tr[s]['step_x_nope']:.2f}× nope; eval time × nope at T: "
+              + ", ".join(f"{n}: {ev[s][n]['time_x_nope']:.2f}" for n in args.lengths))
     print("nope eval seconds at T: " + ", ".join(f"{n}: {ev[BASELINE][n]['seconds']:.3g}" for n in args.lengths))
     print(f"targets met: {sum(t['met'] for t in targets)} of {len(targets)}")
     changed = {source_digest(), *(e["source"] for v in ev.values() for e in v.values())} != {info["source"]}

@@ -53,3 +53,18 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     assert all(positive(t["value"]) and positive(t["limit"]) and isinstance(t["met"], bool) for t in r["targets"])
     assert r["all_targets_met"] == all(t["met"] for t in r["targets"])
     assert isinstance(r["source_changed"], bool)
+
+
+def test_scaled_and_contextual_cases(tmp_path):
+    """A ``rope+ssmax`` case (model.attn_scale=ssmax) and CoPE run, CoPE without an evaluation target, and a misspelt
+    scaling is refused by the argument parser."""
+    out = tmp_path / "bench.json"
+    args = [*TINY, "--schemes", "rope+ssmax", "cope", "--lengths", "4", "64", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert list(r["train"]) == ["nope", "rope+ssmax", "cope"]
+    assert "cope: contextual kernel" in proc.stdout
+    assert not [t for t in r["targets"] if t["scheme"] == "cope" and t.get("length")]  # no evaluation target
+    bad = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--schemes", "rope+logn"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'rope+logn'" in bad.stderr

@@ -28,7 +28,7 @@ UNFILLED_NPOS = 513  # npos of a Config never filled with L: the authors' exampl
 @register("cope")
 class CoPE(PositionalScheme):
     """Contextual Position Encoding, Golovneva et al. 2024 ("Contextual Position Encoding: Learning to Count
-    What's Important", arXiv:2405.18719), §4. For query i and key j ≤ i (causal by index), Dh the head width:
+    What's Important", arXiv:2405.18719, the CoPE formulas). For query i and key j ≤ i (causal by index), Dh the head width:
 
         g_ij = σ(q_i·k_j / √Dh)                                   the gates
         p_ij = min(Σ_{t=j..i} g_it, npos − 1)                     the positions, clamped (the paper's p_max)
