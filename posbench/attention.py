@@ -1,7 +1,8 @@
 """Causal multi-head attention for every positional scheme: which kernel runs, and the kernels.
 
-The model calls :func:`context` once per forward pass (the positions, the scheme's rotation tables, the kernel
-and the bias it needs, shared by every layer), then :func:`attend` once per layer:
+The model calls :func:`context` once per forward pass and scheme instance (the positions, the scheme's rotation
+tables, the kernel and the bias it needs, shared by the layers of that instance: every layer, or one when the scheme
+is built per layer), then :func:`attend` once per layer:
 
     ctx = attention.context(scheme, pos, n_head, x.dtype, dropout)  # pos: (T,) int64, dropout 0 when evaluating
     q, k = scheme.rotate(q, k, ctx.rotation)                          # q, k, v: (B, H, T, Dh)
@@ -25,7 +26,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   merged by their log-sum-exps; with gradients, each block against all its keys with a causal float mask.
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
   causal mask materialised one block of queries at a time (at most :data:`BIAS_ELEMENTS` floats), built once
-  per forward pass for all layers when the whole mask fits in that budget.
+  per forward pass for the layers of one scheme instance (all of them, or one: ``per_layer``) when the whole mask
+  fits in that budget.
 * ``contextual`` — a scheme whose bias depends on the content (CoPE, ``contextual = True``), on every device,
   with and without gradients: per block of queries (at most :data:`CONTEXT_ELEMENTS` scores, counting the
   batch), the scores q·kᵀ/√Dh against the keys up to the block's last query, −inf after each query, in float32 at

@@ -21,7 +21,7 @@ import torch
 
 from posbench.corpora import file_sha256
 from posbench.config import ConfigError
-from posbench.upgrade import scheme_section, upgrade
+from posbench.upgrade import model_section, scheme_section, upgrade
 
 FORMAT = 3  # 3: a scheme records its own options only, and the spec; 2: model.scale_embeddings; 1 and 2 are still read
 READABLE = (1, 2, 3)
@@ -158,4 +158,5 @@ def read(path: Path, device="cpu") -> dict:
     state["config"] = upgrade(state["config"], state["format"])
     if state.get("spec"):
         state["spec"]["scheme"] = scheme_section(state["spec"]["scheme"], state["format"])
+        state["spec"]["model"] = model_section(state["spec"].get("model", {}))
     return state

@@ -36,7 +36,8 @@ b = ``dtype_bytes``; every figure is in bytes):
   ``saved_tensors_hooks`` (once per forward pass when the whole mask fits in ``BIAS_ELEMENTS``, else once per
   layer). A bias without gradient (Sandwich) goes to SDPA's fused kernel, which keeps the mask blocks themselves
   (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with dropout, a fused kernel may take the
-  learned bias too, and this part then overcounts.)
+  learned bias too, and this part then overcounts.) A per-layer scheme (``per_layer``: FIRE's default) has one
+  set of masks and one bias graph per layer, all alive through the forward pass: × n_layer when built once.
   Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
   ``contextual`` (CoPE): every (query, key) pair of the query blocks, Σ_blocks Q·end "pairs" per batch row and head
   (T² for one block, towards T²/2 for many). Training keeps per layer what autograd saves per pair (the gates, the
@@ -78,7 +79,7 @@ GiB = 1 << 30
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activations' dtype
 LOGIT_BYTES = 4  # the model computes the loss from float32 logits whatever autocast does (posbench/model.py)
 BLOCK_TEMPORARIES = 2  # dense, math path: block-sized tensors alive while one block is computed (see docstring)
-CONTEXT_TEMPORARIES = 8  # contextual: block-sized float32 values alive at once while one block is computed
+CONTEXT_TEMPORARIES = 16  # contextual: block-sized float32 values alive at once while one block is computed
 HEAD_CHUNK = 1 << 20  # CPU evaluation: HeadNLL's chunk of logits, in values (posbench/model.py: 4 MiB of float32)
 
 
@@ -203,13 +204,14 @@ def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool) ->
     pairs = sum((e - s) * e for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·end
     block = max((e - s) * e for s, e in blocks)  # the largest block's pairs
     once = H * T * T <= attention.BIAS_ELEMENTS  # the masks are built once per forward pass, else once per layer
-    mask = H * (pairs if once else block) * b  # masks alive at once (evaluation, or the forward pass)
+    copies = L if _per_layer(spec) else 1  # one set of masks per scheme instance
+    mask = H * (pairs if once else block) * b * (copies if once else 1)  # masks alive at once (evaluation, forward)
     if not training:
         return 2 * mask + B * H * T * LSE_BYTES
     per_pair, needs_grad = _bias_graph(spec, m, T)
-    graph = int(per_pair * pairs) * (1 if once else L)
+    graph = int(per_pair * pairs) * (copies if once else L)
     if not needs_grad:  # fused SDPA keeps each layer's masks (shared when built once) and log-sum-exp
-        return H * pairs * b * (1 if once else L) + L * B * H * T * LSE_BYTES
+        return H * pairs * b * (copies if once else L) + L * B * H * T * LSE_BYTES
     probs = L * (B * H * pairs + 3 * B * T * D) * b  # softmax output (B, H, Q, end) per block; q, k, v copies
     return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
 
@@ -296,6 +298,12 @@ def _scheme(spec: dict, m: dict, seq_len: int):
     config = cls.make_config(**options)
     config.fill(seq_len)
     return cls(m["d_model"], m["n_head"], config)
+
+
+def _per_layer(spec: dict) -> bool:
+    """Whether the spec's scheme is built once per layer (its Config's ``per_layer``, default included)."""
+    options = dict(spec.get("scheme") or {})
+    return bool(getattr(SCHEMES[options.pop("name", DEFAULT_SCHEME)].make_config(**options), "per_layer", False))
 
 
 def _fold_blocks(T: int) -> list[tuple[int, int]]:

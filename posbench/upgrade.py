@@ -17,10 +17,11 @@ Every key a record lacks reads as its default, except where the default would mi
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from omegaconf import OmegaConf
 
-from posbench.config import DEFAULT_SCHEME, ConfigError, PosbenchConfig, scheme_schema, to_dict
+from posbench.config import DEFAULT_SCHEME, ConfigError, ModelConfig, PosbenchConfig, scheme_schema, to_dict
 from posbench.schemes import SCHEMES
 
 
@@ -50,6 +51,13 @@ def scheme_section(scheme: dict, fmt: int | None = None) -> dict:
     except ValueError as e:
         raise ConfigError(f"a recorded config does not fit this posbench's schema: scheme.{e}") from None
     return {"name": name, **options}
+
+
+def model_section(model: dict) -> dict:
+    """A recorded spec's model section with every key of today's ``ModelConfig`` (but ``name``) it lacks at its default
+    (``attn_scale: none`` for a model from before the option: what it was). Returns a new dict."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "name"}
+    return {**defaults, **model}
 
 
 def upgrade(config: dict, fmt: int | None = None) -> dict:

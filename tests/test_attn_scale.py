@@ -157,3 +157,19 @@ def test_a_scaled_run_from_the_command_line(attn_scale, run_cli, data_cache, tmp
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ("blocks.0.attn.ssmax" in state["model"]) == (attn_scale == "ssmax")
     assert state["spec"]["model"]["attn_scale"] == attn_scale
+
+
+def test_a_checkpoint_from_before_the_option_reads_as_none_and_can_be_fine_tuned(run_cli, data_cache, tmp_path):
+    """A spec recorded without model.attn_scale and model.scale_length (every checkpoint before them) reads as
+    ``none``, and a run may start from it (init_from checks every model key against the parent's)."""
+    from posbench import checkpoint
+
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    assert run_into(run_cli, data_cache, parent, "scheme=alibi").returncode == 0
+    state = torch.load(parent / "checkpoint.pt", weights_only=False)
+    for key in ("attn_scale", "scale_length"):
+        del state["spec"]["model"][key], state["config"]["model"][key]
+    torch.save(state, parent / "checkpoint.pt")
+    assert checkpoint.read(parent / "checkpoint.pt")["spec"]["model"]["attn_scale"] == "none"
+    proc = run_into(run_cli, data_cache, child, "scheme=alibi", f"init_from={parent}", "train.steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -429,7 +429,6 @@ def test_posbench_train_debug_fast_composes_and_finalizes(name, registered):
     with initialize_config_module(cli.CONFIG_MODULE, version_base="1.3"):
         cfg = to_dict(finalize(compose("train", overrides=[f"scheme={name}", "debug=fast"])))
         assert cfg["scheme"]["name"] == name
-        seq_len = cfg["train"]["seq_len"]
         expected = {"t5": {"num_buckets": 32, "max_distance": 128}, "kerple_log": {"r1_max": None, "r2_max": None},
                     "kerple_power": {"r1_max": None, "r2_max": None}, "sandwich": {"dim": None},
                     "fire": {"mlp_width": 32, "init_c": 0.1, "threshold": 512, "per_layer": True}}[name]
