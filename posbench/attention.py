@@ -60,6 +60,7 @@ BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys float
 FOLD_QUERIES = 256  # folded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
 CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
 KERNELS = ("causal", "flex", "folded", "dense", "contextual")
+ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: a factor on the queries before any kernel (model.GPT)
 log = logging.getLogger("posbench")
 
 try:

@@ -24,7 +24,7 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import passkey
-from posbench.model import ATTN_SCALES
+from posbench.attention import ATTN_SCALES
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")

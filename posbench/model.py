@@ -33,7 +33,6 @@ from torch import nn
 from posbench import attention
 from posbench.schemes.base import PositionalScheme
 
-ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: length-dependent attention scaling (GPT's docstring)
 SSMAX_INIT = 0.43  # s of SSMax at initialisation: the default of the unofficial scalable-softmax package (PyPI)
 
 
@@ -76,7 +75,7 @@ class HeadNLL(torch.autograd.Function):
 class Attention(nn.Module):
     """Causal multi-head self-attention whose positions come from the context of the forward pass
     (posbench/attention.py: this layer's scheme, kernel, rotation tables, bias; dropout included), with the
-    length-dependent scaling of the queries ``attn_scale`` (:data:`ATTN_SCALES`; see :class:`GPT`)."""
+    length-dependent scaling of the queries ``attn_scale`` (``attention.ATTN_SCALES``; see :class:`GPT`)."""
 
     def __init__(self, d_model: int, n_head: int, attn_scale: str = "none"):
         super().__init__()
@@ -127,7 +126,7 @@ class GPT(nn.Module):
             ``scheme.*``), or an ``nn.ModuleList`` (``scheme.<layer>.*``).
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
             GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
-        attn_scale: length-dependent attention scaling (:data:`ATTN_SCALES`), a factor on each query, so on its
+        attn_scale: length-dependent attention scaling (``attention.ATTN_SCALES``), a factor on each query, so on its
             logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are), n = t + 1 the keys query t of a window sees
             (causal by index, whatever the positions):
             ``none``: 1 (the model as before, bit for bit);
@@ -153,8 +152,8 @@ class GPT(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
-        if attn_scale not in ATTN_SCALES:
-            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(ATTN_SCALES)}")
+        if attn_scale not in attention.ATTN_SCALES:
+            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(attention.ATTN_SCALES)}")
         if attn_scale == "log_n" and not (isinstance(scale_length, int) and scale_length >= 2):
             raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
         self.layer_schemes = list(scheme) if isinstance(scheme, (list, tuple)) else [scheme] * n_layer  # one per layer

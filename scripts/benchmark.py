@@ -53,7 +53,7 @@ import torch
 
 import posbench
 from posbench.build import build_model
-from posbench.model import ATTN_SCALES
+from posbench.attention import ATTN_SCALES
 from posbench.schemes import SCHEMES, PositionalScheme
 
 BASELINE = "nope"  # causal SDPA, no positions
