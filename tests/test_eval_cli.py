@@ -286,7 +286,7 @@ class NaiveInterpolatedRoPE(torch.nn.Module):
     """RoPE at positions p/s, written here from RoFormer's rotation (pairs (i, i + Dh/2), θ_i = base^(−2i/Dh)):
     Position Interpolation (Chen et al. 2023) with no code of posbench's schemes."""
 
-    has_bias = key_only_bias = weight_decay = False
+    has_bias = key_only_bias = contextual = weight_decay = False
 
     def __init__(self, head_dim: int, factor: float, base: float = 10000.0):
         super().__init__()
