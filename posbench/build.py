@@ -17,7 +17,7 @@ import torch
 from posbench.config import DEFAULT_SCHEME, ModelConfig
 from posbench.model import GPT
 from posbench.schemes import SCHEMES
-from posbench.upgrade import upgrade
+from posbench.upgrade import model_section, upgrade
 
 MODEL_KEYS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "name"]  # what a spec's "model" holds
 
@@ -74,8 +74,8 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
             scheme's constructor or the model refuses.
     """
     spec = merged(spec, overrides or {})
-    m = {**dataclasses.asdict(ModelConfig()), **spec.get("model", {})}
-    m.pop("name")
+    m = model_section(spec.get("model", {}))
+    m.pop("name", None)  # a preset's label, not part of the model
     unknown = sorted(set(m) - set(MODEL_KEYS))
     if unknown:
         raise ValueError(f"model.{unknown[0]} is not a model option; the options: {', '.join(MODEL_KEYS)}")

@@ -72,8 +72,9 @@ import torch
 
 from posbench import attention
 from posbench.build import build_model
-from posbench.config import DEFAULT_SCHEME, ModelConfig
+from posbench.config import DEFAULT_SCHEME
 from posbench.schemes import SCHEMES
+from posbench.upgrade import model_section
 
 GiB = 1 << 30
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activations' dtype
@@ -283,8 +284,7 @@ def _bias_graph(spec: dict, m: dict, T: int) -> tuple[float, bool]:
 
 def _model_sizes(spec: dict) -> dict:
     """The spec's model section over ModelConfig's defaults (as posbench.build.build_model reads it)."""
-    defaults = {k: v for k, v in vars(ModelConfig()).items() if k != "name"}
-    return {**defaults, **spec.get("model", {})}
+    return model_section(spec.get("model", {}))
 
 
 def _scheme_name(spec: dict) -> str:

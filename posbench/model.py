@@ -156,16 +156,15 @@ class GPT(nn.Module):
             raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(attention.ATTN_SCALES)}")
         if attn_scale == "log_n" and not (isinstance(scale_length, int) and scale_length >= 2):
             raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
-        self.layer_schemes = list(scheme) if isinstance(scheme, (list, tuple)) else [scheme] * n_layer  # one per layer
-        kinds = {type(s) for s in self.layer_schemes}
-        if len(self.layer_schemes) != n_layer or len(kinds) != 1:
-            raise ValueError(f"{len(self.layer_schemes)} schemes of {len(kinds)} classes for {n_layer} layers: give one "
-                             "scheme, or one per layer of one class")
         per_layer = isinstance(scheme, (list, tuple))
-        if per_layer and type(self.layer_schemes[0]).embed is not PositionalScheme.embed:
-            raise ValueError(f"{type(self.layer_schemes[0]).__name__} adds positions to the embeddings, once: it cannot "
+        kinds = {type(s) for s in scheme} if per_layer else {type(scheme)}
+        if per_layer and (len(scheme) != n_layer or len(kinds) != 1):
+            raise ValueError(f"{len(scheme)} schemes of {len(kinds)} classes for {n_layer} layers: give one "
+                             "scheme, or one per layer of one class")
+        if per_layer and type(scheme[0]).embed is not PositionalScheme.embed:
+            raise ValueError(f"{type(scheme[0]).__name__} adds positions to the embeddings, once: it cannot "
                              "be built per layer")
-        self.scheme = nn.ModuleList(self.layer_schemes) if per_layer else scheme
+        self.scheme = nn.ModuleList(scheme) if per_layer else scheme
         self.n_head, self.dropout = n_head, dropout
         self.attn_scale, self.scale_length = attn_scale, scale_length
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
@@ -184,6 +183,11 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
+    @property
+    def layer_schemes(self) -> list[PositionalScheme]:
+        """Each layer's scheme instance: the shared one n_layer times, or layer l's own."""
+        return list(self.scheme) if isinstance(self.scheme, nn.ModuleList) else [self.scheme] * len(self.blocks)
+
     def scheme_parts(self) -> list[tuple[str, PositionalScheme]]:
         """Each scheme instance with its state-dict prefix: ``[("scheme.", scheme)]`` when shared,
         ``[("scheme.0.", layer 0's), …]`` per layer."""
@@ -199,13 +203,13 @@ class GPT(nn.Module):
         does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor)."""
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.layer_schemes[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
+        layers = self.layer_schemes
+        x = self.drop(layers[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
         # once per pass and scheme instance (every layer's, or each layer's own): kernel, rotation tables, bias blocks
         dropout = self.dropout if self.training else 0.0
-        distinct = {id(s): s for s in self.layer_schemes}.values()  # (one instance, or one per layer)
-        contexts = {id(s): attention.context(s, pos, self.n_head, x.dtype, dropout) for s in distinct}
+        contexts = {id(s): attention.context(s, pos, self.n_head, x.dtype, dropout) for _, s in self.scheme_parts()}
         log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
-        for block, scheme in zip(self.blocks, self.layer_schemes):
+        for block, scheme in zip(self.blocks, layers):
             x = block(x, contexts[id(scheme)], log_n)
         x = self.ln_f(x)  # (B, T, D)
         if targets is None:

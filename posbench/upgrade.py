@@ -55,7 +55,8 @@ def scheme_section(scheme: dict, fmt: int | None = None) -> dict:
 
 def model_section(model: dict) -> dict:
     """A recorded spec's model section with every key of today's ``ModelConfig`` (but ``name``) it lacks at its default
-    (``attn_scale: none`` for a model from before the option: what it was). Returns a new dict."""
+    (``attn_scale: none`` for a model from before the option: what it was); the one reader of a spec's model section
+    (posbench.build.build_model, posbench.memory). Returns a new dict."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "name"}
     return {**defaults, **model}
 

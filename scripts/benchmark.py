@@ -106,10 +106,9 @@ def make_model(args, case: str) -> torch.nn.Module:
     spec = {"vocab_size": args.vocab, "scheme": {"name": scheme},
             "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model,
                       "attn_scale": scale or "none", "scale_length": args.seq_len if scale == "log_n" else None}}
-    if hasattr(SCHEMES[scheme], "make_config"):  # the options posbench train derives from L (CoPE's npos)
-        config = SCHEMES[scheme].make_config()
-        config.fill(args.seq_len)
-        spec["scheme"].update(dataclasses.asdict(config))
+    config = SCHEMES[scheme].make_config()  # with the options posbench train derives from L (CoPE's npos)
+    config.fill(args.seq_len)
+    spec["scheme"].update(dataclasses.asdict(config))
     if scheme == "learned":  # a table row for every evaluation position
         spec["scheme"]["max_positions"] = max(*args.lengths, args.seq_len)
     return build_model(spec).to(args.device)

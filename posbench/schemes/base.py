@@ -216,6 +216,13 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_per_layer(per_layer, scheme: str) -> None:
+    """Raise ValueError (``per_layer=<value>: ...``) unless ``per_layer``, a scheme's one-instance-per-layer option
+    (FIRE's, CoPE's), is a bool."""
+    if not isinstance(per_layer, bool):
+        raise ValueError(f"per_layer={per_layer!r}: true (one {scheme} per layer) or false (one shared)")
+
+
 def check_base(base) -> None:
     """Raise ValueError (``base=<value>: ...``) unless ``base``, a wavelength base, is a number > 0."""
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.schemes.base import PositionalScheme, is_int, register
+from posbench.schemes.base import PositionalScheme, check_per_layer, is_int, register
 
 UNFILLED_NPOS = 513  # npos of a Config never filled with L: the authors' example runs, block size 512, + 1
 
@@ -75,8 +75,7 @@ class CoPE(PositionalScheme):
             if self.npos is not None and (not is_int(self.npos) or self.npos < 1):
                 raise ValueError(f"npos={self.npos!r}: CoPE needs an integer number of positions >= 1 "
                                  f"(null: the train length + 1)")
-            if not isinstance(self.per_layer, bool):
-                raise ValueError(f"per_layer={self.per_layer!r}: true (one CoPE per layer) or false (one shared)")
+            check_per_layer(self.per_layer, "CoPE")
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)

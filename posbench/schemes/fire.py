@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from posbench.schemes.base import PositionalScheme, is_int, is_number, register
+from posbench.schemes.base import PositionalScheme, check_per_layer, is_int, is_number, register
 
 REFERENCE_INIT_L = 512  # the reference code's FIRE(..., init_L=512.0): the default L₀
 
@@ -81,8 +81,7 @@ class Fire(PositionalScheme):
             if self.threshold is not None and (not is_int(self.threshold) or self.threshold < 1):
                 raise ValueError(f"threshold={self.threshold!r}: FIRE's threshold must be an integer >= 1 "
                                  f"(null: the train length)")
-            if not isinstance(self.per_layer, bool):
-                raise ValueError(f"per_layer={self.per_layer!r}: true (one FIRE per layer) or false (one shared)")
+            check_per_layer(self.per_layer, "FIRE")
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
