@@ -149,6 +149,7 @@ def _eval(cfg: DictConfig) -> None:
                                       name=f"{rec['label']} {rec['protocol']} {rec['split']}")
         tracker.log_eval(rec["results"])
         tracker.log_probe(rec.get("passkey"))
+        tracker.log_context(rec.get("context"))
         tracker.finish()
 
 

@@ -23,7 +23,7 @@ from typing import Any, List, Optional
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from posbench import passkey
+from posbench import context, passkey
 from posbench.attention import ATTN_SCALES
 from posbench.schemes import SCHEMES
 
@@ -66,7 +66,10 @@ class DataConfig:
     tokenizer_train_chars: Optional[int] = None  # train the BPE on the first N characters of train (None = all)
     max_train_docs: Optional[int] = None  # keep the first N train documents (None = all; PG-19 streams them)
     max_train_tokens: Optional[int] = None  # stop the train split after N tokens (None = all)
-    passkey_rate: float = 0.0  # fraction of training windows given a needle + query (posbench/passkey.py); 0 = none
+    passkey_rate: float = 0.0  # fraction of training windows given needle + query pairs (posbench/passkey.py); 0 = none
+    passkey_pairs: int = 1  # needle + query pairs per needled window, each its own key (several: log-uniform distances)
+    copy_rate: float = 0.0  # fraction of training windows made [span, separator, same span] at step 0; 0 = none
+    copy_until: float = 0.5  # the copy rate falls linearly to 0 at this fraction of train.steps
 
 
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/train.py lr_factor
@@ -95,7 +98,7 @@ class TrainConfig:
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
 
-PROBES = ("passkey",)  # eval.probes
+PROBES = ("passkey", "context")  # eval.probes
 
 
 @dataclass
@@ -106,8 +109,10 @@ class EvalConfig:
     split: str = "validation"
     max_tokens: Optional[int] = None  # budget: targets scored per evaluation length; None = the whole split
     batch_tokens: int = 16384  # tokens per forward pass
-    probes: List[str] = field(default_factory=list)  # beside perplexity: passkey
+    probes: List[str] = field(default_factory=list)  # beside perplexity: passkey, context
+    probe_every: int = 0  # training steps between passkey probes at L and the longest probe length; 0 = none
     passkey: passkey.Config = field(default_factory=passkey.Config)  # the probe owns its options and their checks
+    context: context.Config = field(default_factory=context.Config)  # context use past L (posbench/context.py)
 
 
 @dataclass
@@ -253,10 +258,14 @@ def check_device(key: str, name: str) -> None:
 
 
 def _eval_values(e: DictConfig, seq_len: int) -> None:
-    """Fill ``eval.lengths`` (None → L·2^k, k = 0…4) and check the evaluation settings."""
+    """Fill ``eval.lengths`` (None → L·2^k, k = 0…4) and ``eval.context.stride`` (None → L // 8), and check the
+    evaluation settings (the probes' options by their own checks: posbench/passkey.py, posbench/context.py)."""
     if e.max_tokens is not None:
         _positive("eval.max_tokens", e.max_tokens)
     _positive("eval.batch_tokens", e.batch_tokens)
+    if isinstance(e.probe_every, bool) or not isinstance(e.probe_every, int) or e.probe_every < 0:
+        raise ConfigError(f"eval.probe_every={e.probe_every!r} is not allowed: give the training steps between probes "
+                          "(> 0), or 0 for none")
     if e.lengths is None:
         e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:
@@ -274,6 +283,7 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
         e.passkey.lengths = list(e.lengths)
     try:
         passkey.check(e.passkey)
+        context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if e.protocol not in PROTOCOLS:
@@ -337,9 +347,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
                           "are); a run from scratch needs a positive train.steps")
     if t.steps != 0:
         _positive("train.steps", t.steps)
-    if not 0 <= cfg.data.passkey_rate <= 1:
-        raise ConfigError(f"data.passkey_rate={cfg.data.passkey_rate} is not allowed: it is the fraction of training "
-                          "windows given a needle, between 0 and 1")
+    _curriculum(cfg.data)
     if cfg.init_rows not in INIT_ROWS:
         raise ConfigError(f"init_rows={cfg.init_rows!r} is unknown; choose one of: {', '.join(INIT_ROWS)}")
     if cfg.init_rows != "scheme" and cfg.init_from is None:
@@ -382,6 +390,17 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         for key, value in dataclasses.asdict(resolved).items():
             s[key] = value
     return cfg
+
+
+def _curriculum(d: DictConfig) -> None:
+    """Check the training data's needles (``data.passkey_*``) and copy windows (``data.copy_*``)."""
+    for key in ("passkey_rate", "copy_rate"):
+        if not 0 <= d[key] <= 1:
+            raise ConfigError(f"data.{key}={d[key]} is not allowed: it is a fraction of training windows, between 0 and 1")
+    _positive("data.passkey_pairs", d.passkey_pairs)
+    if not 0 < d.copy_until <= 1:
+        raise ConfigError(f"data.copy_until={d.copy_until} is not allowed: it is the fraction of train.steps at which "
+                          "copy windows end, in (0, 1]")
 
 
 def _attention_scaling(m: DictConfig, seq_len: int) -> None:

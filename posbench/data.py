@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +51,11 @@ class Corpus:
     vocab_size: int
     tokenizer_path: Path
     same_as: dict = field(default_factory=dict)
+
+    @cached_property
+    def eos(self) -> int:
+        """The ``<|endoftext|>`` token's id (between documents; the separator of copy windows)."""
+        return Tokenizer.from_file(str(self.tokenizer_path)).token_to_id(EOS)
 
 
 def cache_root(cache_dir: str | None) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench import build, checkpoint, data, dist, passkey, results
+from posbench import build, checkpoint, context, data, dist, passkey, results
 from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize,
                              scheme_schema, to_dict)
 from posbench.device import resolve_device, set_threads
@@ -106,6 +106,10 @@ def run(job: EvalJob, progress=None) -> dict:
     if job.needle:
         extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey), e.split,
                                           job.config.train.seq_len, device, e.batch_tokens, progress)
+    if "context" in e.probes:  # (windows sharded over ranks, as perplexity's)
+        extra["context"] = context.record(job.model, job.corpus.tokens[e.split], to_dict(e.context), e.split,
+                                          job.config.train.seq_len, list(e.lengths), e.max_tokens, device,
+                                          e.batch_tokens, progress, dist.rank(), dist.world())
     rec = results.record(to_dict(job.config), rows, job.label, split=e.split, train_tokens=job.state.get("train_tokens"),
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)

@@ -19,12 +19,16 @@ is probed on the same windows, and cells pair across schemes. The same needle fo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+
+
+KEYS = {"digits": 10, "frequent": 100, "reserved": 100}  # eval.passkey.keys → its default key vocabulary size
 
 
 @dataclass
@@ -35,7 +39,8 @@ class Config:
     depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in the haystack
     lengths: Optional[List[int]] = None  # None = eval.lengths
     key_length: int = 4  # k, tokens per key
-    key_vocab: int = 100  # keys are drawn from the N most frequent whole-word tokens
+    keys: str = "digits"  # digits (the original test's) | frequent (whole words) | reserved (absent from train)
+    key_vocab: Optional[int] = None  # key tokens drawn from: None = the 10 digits, or 100 words / reserved tokens
     marker: str = " The pass key is"
     end: str = "."
     threshold: float = 0.8  # accuracy within L below which a row "does not retrieve within L"
@@ -45,10 +50,18 @@ class Config:
 def check(p) -> None:
     """Raise ValueError (``eval.passkey.<option>=<value> …``) for options of ``p`` (a :class:`Config`, or the config
     node holding its fields, ``lengths`` filled) that cannot make a probe."""
+    keys = p["keys"] if hasattr(p, "__getitem__") else p.keys  # (a config node's .keys is its method)
+    if keys not in KEYS:
+        raise ValueError(f"eval.passkey.keys={keys!r} is unknown; choose one of: {', '.join(KEYS)}")
+    if p.key_vocab is None:
+        p.key_vocab = KEYS[keys]
     for key in ("trials", "key_length", "key_vocab"):
         value = getattr(p, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"eval.passkey.{key}={value!r} is not allowed: it must be a positive integer")
+    if keys == "digits" and p.key_vocab > 10:
+        raise ValueError(f"eval.passkey.key_vocab={p.key_vocab} is not allowed with eval.passkey.keys=digits: a digit key "
+                         "draws from at most the 10 digits")
     if p.key_vocab < p.key_length:
         raise ValueError(f"eval.passkey.key_vocab={p.key_vocab} is smaller than eval.passkey.key_length="
                          f"{p.key_length}: a key draws its tokens from the vocabulary")
@@ -86,16 +99,25 @@ class Needle:
         return np.asarray(self.keys, dtype=np.int64)[rng.integers(0, len(self.keys), self.k)]
 
 
-def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str, key_length: int, key_vocab: int) -> Needle:
-    """The needle format of a corpus's tokenizer. The key vocabulary is the ``key_vocab`` most frequent whole-word
-    tokens of the train split (a byte-level BPE token for a space then three or more letters, e.g. ``Ġthe``),
-    none of them a token of the marker or the end mark, so keys are ordinary tokens the model can emit.
+def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str, key_length: int, key_vocab: int,
+                keys: str = "frequent") -> Needle:
+    """The needle format of a corpus's tokenizer, with the key vocabulary ``keys`` names:
 
-    Raises ValueError (``eval.passkey.<option>=<value>: …``): ``key_length`` < 1, fewer than ``key_length``
-    whole-word tokens in the vocabulary, or a marker or end mark that the tokenizer cannot encode and decode back
-    (or that is empty)."""
+    * ``digits``: the first ``key_vocab`` (≤ 10) digits, each one token, after a space appended to the marker, so a
+      needle reads " The pass key is 7143." as in Mohtashami & Jaggi (2023, Appendix);
+    * ``frequent``: the ``key_vocab`` most frequent whole-word tokens of the train split (a byte-level BPE token for
+      a space then three or more letters, e.g. ``Ġthe``), words the haystack is full of;
+    * ``reserved``: the first ``key_vocab`` token ids that never occur in the train split (stray bytes, unused merges).
+
+    No key token is a token of the marker or the end mark, so keys are tokens the model can emit.
+
+    Raises ValueError (``eval.passkey.<option>=<value>: …``): ``key_length`` < 1, an unknown ``keys``, a key
+    vocabulary the tokenizer lacks (a digit it does not spell as one token, fewer than ``key_vocab`` whole words or
+    absent tokens), or a marker or end mark that the tokenizer cannot encode and decode back (or that is empty)."""
     if key_length < 1:
         raise ValueError(f"eval.passkey.key_length={key_length}: a key needs at least one token")
+    if keys not in KEYS:
+        raise ValueError(f"eval.passkey.keys={keys!r} is unknown; choose one of: {', '.join(KEYS)}")
     tok = Tokenizer.from_file(str(tokenizer_path))
     ids = {}
     for name, text in (("marker", marker), ("end", end)):
@@ -104,14 +126,36 @@ def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str,
             raise ValueError(f"eval.passkey.{name}={text!r}: the run's tokenizer cannot encode it (it decodes back as "
                              f"{tok.decode(enc)!r}); choose text in the corpus's alphabet")
         ids[name] = tuple(enc)
+    taken = set(ids["marker"]) | set(ids["end"])
+    if keys == "digits":
+        ids["marker"] = tuple(tok.encode(marker + " ").ids)
+        vocab = [tok.token_to_id(str(d)) for d in range(min(key_vocab, 10))]
+        spelt = tok.encode(marker + " " + "".join(str(d) for d in range(10))).ids[len(ids["marker"]):]
+        if None in vocab or spelt != [tok.token_to_id(str(d)) for d in range(10)] or taken & set(vocab):
+            raise ValueError("eval.passkey.keys=digits: the run's tokenizer does not spell each digit as a token of its "
+                             "own after the marker; choose eval.passkey.keys=frequent or reserved")
+        if key_vocab > len(vocab):
+            raise ValueError(f"eval.passkey.key_vocab={key_vocab}: a digit key draws from at most the 10 digits")
+        return Needle(ids["marker"], ids["end"], tuple(int(i) for i in vocab), key_length)
     counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=tok.get_vocab_size())
-    reserved = set(ids["marker"]) | set(ids["end"])
-    words = [i for i in np.argsort(-counts, kind="stable") if counts[i] > 0 and i not in reserved
-             and _whole_word(tok.id_to_token(int(i)))]
-    if key_vocab < key_length or len(words) < key_vocab:
+    if keys == "frequent":
+        pool = [i for i in np.argsort(-counts, kind="stable") if counts[i] > 0 and i not in taken
+                and _whole_word(tok.id_to_token(int(i)))]
+        what = "whole-word tokens of the tokenizer"
+    else:
+        pool = [i for i in np.flatnonzero(counts == 0) if i not in taken]
+        what = "tokens absent from the train split"
+    if key_vocab < key_length or len(pool) < key_vocab:
         raise ValueError(f"eval.passkey.key_vocab={key_vocab}: the key vocabulary must hold at least key_length="
-                         f"{key_length} tokens and at most the {len(words)} whole-word tokens of the tokenizer")
-    return Needle(ids["marker"], ids["end"], tuple(int(i) for i in words[:key_vocab]), key_length)
+                         f"{key_length} tokens and at most the {len(pool)} {what}")
+    return Needle(ids["marker"], ids["end"], tuple(int(i) for i in pool[:key_vocab]), key_length)
+
+
+def key_fraction(tokens: np.ndarray, needle: Needle) -> float:
+    """The fraction of ``tokens`` (a split, the haystack's source) that are key tokens of ``needle``: how often the
+    haystack itself holds what the query asks for (≈ 0 for digits on Shakespeare, ≈ 0.2 for the 100 frequent words)."""
+    tokens = np.asarray(tokens)
+    return float(np.isin(tokens, np.asarray(needle.keys)).mean()) if len(tokens) else 0.0
 
 
 def _whole_word(token: str | None) -> bool:
@@ -191,10 +235,11 @@ def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu", bat
 
 
 def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: list[int], depths: list[float],
-          trials_per_cell: int, seed: int, device="cpu", batch_tokens: int = 16384, progress=None) -> list[dict]:
+          trials_per_cell: int, seed: int, device="cpu", batch_tokens: int = 16384, progress=None,
+          control: bool = True) -> list[dict]:
     """Every trial of the probe scored: one dict per trial with ``length``, ``depth``, ``trial``, ``distance``
     (tokens), ``correct`` (exact match), ``logp`` (mean key log-probability, nats/token) and ``gain`` (``logp`` minus
-    the control's). Raises ValueError as :func:`trials`."""
+    the control's; None without ``control``, which then scores half the windows). Raises ValueError as :func:`trials`."""
     was_training = model.training
     model.eval()
     out = []
@@ -203,11 +248,12 @@ def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: l
         if progress:
             progress(f"passkey probe at length {length}")
         mine = [t for t in all_trials if t.length == length]
-        wins = np.stack([window(tokens, needle, t, control) for control in (False, True) for t in mine])  # (2N, T)
+        wins = np.stack([window(tokens, needle, t, c) for c in (False, True)[:1 + control] for t in mine])  # (2N or N, T)
         correct, logp = score(model, wins, needle.k, device, batch_tokens)
         for i, t in enumerate(mine):
             out.append({"length": t.length, "depth": t.depth, "trial": t.index, "distance": t.distance,
-                        "correct": bool(correct[i]), "logp": float(logp[i]), "gain": float(logp[i] - logp[len(mine) + i])})
+                        "correct": bool(correct[i]), "logp": float(logp[i]),
+                        "gain": float(logp[i] - logp[len(mine) + i]) if control else None})
     model.train(was_training)
     return out
 
@@ -215,10 +261,12 @@ def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: l
 def record(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, settings: dict, split: str, train_length: int,
            device="cpu", batch_tokens: int = 16384, progress=None) -> dict:
     """What a results record holds of the probe (``passkey``): ``settings`` (``eval.passkey``'s, filled, with the
-    ``split`` probed and the run's ``train_length`` L) and every trial (:func:`probe`) on ``tokens``."""
+    ``split`` probed, the run's ``train_length`` L and ``key_fraction``, the share of the split's tokens that are
+    key tokens: :func:`key_fraction`) and every trial (:func:`probe`) on ``tokens``."""
     trials_ = probe(model, tokens, needle, list(settings["lengths"]), list(settings["depths"]), settings["trials"],
                     settings["seed"], device, batch_tokens, progress)
-    return {"settings": {**settings, "split": split, "train_length": train_length}, "trials": trials_}
+    return {"settings": {**settings, "split": split, "train_length": train_length,
+                         "key_fraction": key_fraction(tokens, needle)}, "trials": trials_}
 
 
 def accuracy(trials_: list[dict]) -> dict[int, float]:
@@ -227,19 +275,72 @@ def accuracy(trials_: list[dict]) -> dict[int, float]:
     return {n: float(np.mean([t["correct"] for t in trials_ if t["length"] == n])) for n in lengths}
 
 
-def insert(crops: np.ndarray, needle: Needle, rate: float, rng: np.random.Generator) -> np.ndarray:
-    """Training windows with needle + query pairs (``data.passkey_rate``): each of the (B, W) ``crops`` gets one with
-    probability ``rate``, overwriting its tokens: a fresh key, the query at b uniform in [needle, W − query], the
-    needle at a uniform in [0, b − needle] (so the needle-to-query distance stays within the window). Returns
-    ``crops`` (changed in place). Windows shorter than a needle and a query are left as they are."""
+def insert(crops: np.ndarray, needle: Needle, rate: float, rng: np.random.Generator, pairs: int = 1,
+           skip: np.ndarray | None = None) -> np.ndarray:
+    """Training windows with needle + query pairs (``data.passkey_rate``, ``data.passkey_pairs``): each of the
+    (B, W) ``crops`` gets ``pairs`` of them with probability ``rate`` (rows in ``skip``, a (B,) bool mask, never),
+    overwriting its tokens, each pair with a fresh key. One pair: the query at b uniform in [needle, W − query], the
+    needle at a uniform in [0, b − needle]. Several: :func:`layout`, pairs one after another, so each query asks
+    for the key of the needle just before it and no query is ambiguous. Returns ``crops`` (changed in place).
+    Windows shorter than the pairs' needles and queries are left as they are."""
     width = crops.shape[1]
     last = width - needle.query_length
     for row in np.flatnonzero(rng.random(len(crops)) < rate):
-        if last < needle.needle_length:
+        if last < needle.needle_length or width < pairs * (needle.needle_length + needle.query_length):
             break
-        key = needle.draw_key(rng)
-        b = int(rng.integers(needle.needle_length, last + 1))
-        a = int(rng.integers(0, b - needle.needle_length + 1))
-        crops[row, a: a + needle.needle_length] = [*needle.marker, *key, *needle.end]
-        crops[row, b: b + needle.query_length] = [*needle.marker, *key]
+        if skip is not None and skip[row]:
+            continue
+        if pairs == 1:
+            key = needle.draw_key(rng)
+            b = int(rng.integers(needle.needle_length, last + 1))
+            a = int(rng.integers(0, b - needle.needle_length + 1))
+            places = [(a, b, key)]
+        else:
+            places = [(a, b, needle.draw_key(rng)) for a, b in layout(width, needle, pairs, rng)]
+        for a, b, key in places:
+            crops[row, a: a + needle.needle_length] = [*needle.marker, *key, *needle.end]
+            crops[row, b: b + needle.query_length] = [*needle.marker, *key]
     return crops
+
+
+def layout(width: int, needle: Needle, pairs: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """Where ``pairs`` ≥ 1 needle + query pairs go in a window of ``width`` tokens: [(a_i, b_i)], needle i at a_i,
+    its query at b_i, in order a_1 < b_1 < a_2 < b_2 < …. Each pair's distance d_i = b_i − a_i (key to key) is drawn
+    log-uniformly from [needle, needle + room] (room: the tokens the other pairs leave; the pairs draw in random
+    order, so the long one may fall anywhere), then the haystack left over is split into pairs + 1 gaps by uniform
+    cut points. Log-uniform gives every octave of distance as many pairs: short distances, as a probe's needle at
+    depth 1, and long ones up to the window, with many distinct distances (a few would teach a positional shortcut
+    instead of copying: Kawata et al. 2025). Raises ValueError when the pairs do not fit in ``width``."""
+    n, q = needle.needle_length, needle.query_length
+    room = width - pairs * (n + q)
+    if room < 0:
+        raise ValueError(f"{pairs} needle + query pairs need {pairs * (n + q)} tokens, more than a window of {width}")
+    distance = np.zeros(pairs, dtype=np.int64)
+    for i in rng.permutation(pairs):
+        distance[i] = min(n + room, int(math.exp(rng.uniform(math.log(n), math.log(n + room + 1)))))
+        room -= int(distance[i]) - n
+    gaps = np.diff([0, *np.sort(rng.integers(0, room + 1, pairs)), room])  # (pairs + 1,) haystack between pairs
+    out, at = [], int(gaps[0])
+    for i in range(pairs):
+        out.append((at, at + int(distance[i])))
+        at += int(distance[i]) + q + int(gaps[i + 1])
+    return out
+
+
+def copy_spans(crops: np.ndarray, separator: int, vocab_size: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Copy windows (``data.copy_rate``; Bi-Induct's induction curriculum): each of the (B, W) ``crops`` with
+    probability ``rate`` starts with a span of m random tokens (uniform over the vocabulary's ``vocab_size`` ids but
+    ``separator``), the ``separator``, the same m tokens again, then goes on with its own text, cut to W (m uniform
+    in [1, (W − 1) // 2]). The repeat is predictable only by copying from m + 1 tokens back, the signal an induction
+    head learns from (repeated random tokens: Olsson et al. 2022); a span of the corpus's own text would be half
+    predictable without it. Returns the (B,) bool mask of the rows made copy windows; ``crops`` changes in place."""
+    width = crops.shape[1]
+    chosen = rng.random(len(crops)) < rate
+    if width < 3:
+        return np.zeros(len(crops), dtype=bool)
+    for row in np.flatnonzero(chosen):
+        m = int(rng.integers(1, (width - 1) // 2 + 1))
+        span = rng.integers(0, vocab_size - 1, m)
+        span += span >= separator  # (uniform over every id but the separator)
+        crops[row] = np.concatenate([span, [separator], span, crops[row]])[:width]
+    return chosen

@@ -6,7 +6,11 @@ posbench/report.py calls the functions here):
 * ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
   evaluation length against fine-tuning tokens, one line per method;
 * ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (:func:`draw_passkey`, when runs were probed) — retrieval
-  accuracy against needle-to-query distance / L, and by needle depth × length.
+  accuracy against needle-to-query distance / L, and by needle depth × length;
+* ``passkey_vs_tokens.png`` (:func:`draw_probe_curves`, when runs probed during training) — retrieval accuracy at L
+  and at the longest probe length against training tokens: when copying forms, per scheme;
+* ``context_vs_length.png`` (:func:`draw_context`, when runs measured context use) — the mean NLL difference past L
+  (whole window − sliding window of L) against evaluation length, with its bootstrap interval.
 
 The first two mark the train length L and give each setting one colour. matplotlib is imported when a plot is drawn, so
 the rest of posbench starts without it.
@@ -128,6 +132,34 @@ def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[
     return {"passkey_vs_distance": out / "passkey_vs_distance.png", "passkey_heatmap": out / "passkey_heatmap.png"}
 
 
+def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], train_length: int,
+                 order: list[str]) -> Path:
+    """Write ``context_vs_length.png``: per row label (``series``: {label: (lengths, diff, ci_low, ci_high)}), the mean
+    NLL_full − NLL_short past L (nats/token) against evaluation length (log2 x), error bars its 95% interval, a
+    horizontal line at 0 (the context beyond L unused); return its path."""
+    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+
+    style = _styles(order)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setting, (xs, ys, low, high) in series.items():
+        ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, low)], [b - y for y, b in zip(ys, high)]], marker="o",
+                    capsize=3, label=setting, **style[setting])
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="evaluation length T (tokens)", ylabel="NLL whole window − NLL last ≤ L tokens (nats/token)",
+           title=f"Context use past L = {train_length} (negative: uses context beyond L)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "context_vs_length.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _finish(plt, fig, ax, train_length: int, path: Path) -> None:
     ax.title.set_fontsize(9)
     ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
@@ -135,3 +167,32 @@ def _finish(plt, fig, ax, train_length: int, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], order: list[str]) -> Path:
+    """Write ``passkey_vs_tokens.png``: exact-match accuracy against training tokens (log x), per row label one colour
+    (``curves``: {label: {probe length: (tokens, accuracy)}}), a solid line at the shortest probe length (L) and a
+    dashed one at the longest; return its path."""
+    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+
+    style = _styles(order)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setting, by_length in curves.items():
+        lengths = sorted(by_length)
+        for length in lengths:
+            xs, ys = by_length[length]
+            ax.plot(xs, ys, marker=".", color=style[setting]["color"], linestyle="-" if length == lengths[0] else "--",
+                    label=f"{setting} @ {length}")
+    ax.set_xscale("log")
+    ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03),
+           title="Passkey retrieval during training (solid: at L, dashed: longest probe length)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "passkey_vs_tokens.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -11,7 +11,9 @@
   split and the nonoverlapping protocol when present), and ``ppl_vs_finetune.png`` when fine-tuned runs
   (``init_from``: ``ft512×200`` rows, with a column of train tokens) are among them;
 * with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/retrieval.py),
-  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png``.
+  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png``;
+* with the context-use probe (``eval.probes=[context]``): a "Context use past L" table (posbench/context.py),
+  ``context.csv`` and ``context_vs_length.png``.
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -22,7 +24,7 @@ import csv
 import logging
 from pathlib import Path
 
-from posbench import compare, plots, retrieval, stats
+from posbench import compare, context, plots, retrieval, stats
 from posbench.results import split_text
 
 log = logging.getLogger("posbench")
@@ -93,8 +95,12 @@ def passkey_tables(cells: list[dict]) -> str:
     for table in sorted({c["table"] for c in cells}):
         sub = [c for c in cells if c["table"] == table]
         probe, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
+        keys = probe.get("keys", "frequent")
+        kinds = {"digits": "digits", "frequent": "frequent words", "reserved": "tokens absent from training"}
+        share = f" ({probe['key_fraction']:.2%} of the split's tokens are key tokens)" if "key_fraction" in probe else ""
         lines = [f"### P{table}. {probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from "
-                 f"{probe['key_vocab']} words, marker {probe['marker']!r}, probe seed {probe['seed']}", "",
+                 f"{probe['key_vocab']} {kinds.get(keys, keys)}{share}, marker {probe['marker']!r}, probe seed "
+                 f"{probe['seed']}", "",
                  "| | " + " | ".join(map(str, lengths)) + f" | within L | gain at {lengths[-1]} |",
                  "|---" * (len(lengths) + 3) + "|"]
         for setting in dict.fromkeys(c["setting"] for c in sub):
@@ -117,6 +123,39 @@ def passkey_tables(cells: list[dict]) -> str:
                   f"accuracy in the windows no longer than L; below {probe['threshold']:.0%} the row does not retrieve "
                   "within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the same "
                   "key's when the needle held another key (0: the context is not used)."]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+CONTEXT_COLUMNS = ["table", "setting", "length", "windows", "seeds", "diff", "ci_low", "ci_high", "nll_full", "nll_short"]
+
+
+def _nats(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
+
+
+def context_tables(cells: list[dict]) -> str:
+    """The context-use probe's tables (posbench/context.py ``cells``), one per probe (split, L, stride): rows ×
+    evaluation lengths, cells the mean NLL difference past L with its bootstrap 95% interval, nats/token."""
+    out = []
+    for table in sorted({c["table"] for c in cells}):
+        sub = [c for c in cells if c["table"] == table]
+        s, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
+        L, S = s["train_length"], s["stride"]
+        lines = [f"### C{table}. {s.get('split', 'validation')} split, L = {L}, stride {S}", "",
+                 "| | " + " | ".join(map(str, lengths)) + " | seeds |", "|---" * (len(lengths) + 2) + "|"]
+        for setting in dict.fromkeys(c["setting"] for c in sub):
+            mine = {c["length"]: c for c in sub if c["setting"] == setting}
+            row = [f"{_nats(mine[n]['diff'])} ({_nats(mine[n]['ci_low'])} … {_nats(mine[n]['ci_high'])})" if n in mine
+                   else "" for n in lengths]
+            lines.append(f"| {setting} | " + " | ".join(row) + f" | {max(c['seeds'] for c in mine.values())} |")
+        windows = ", ".join(f"{n}: {max(c['windows'] for c in sub if c['length'] == n)}" for n in lengths)
+        lines += ["", f"Mean over windows of NLL_full − NLL_short (nats/token) for the tokens at positions ≥ L of each "
+                  f"window: NLL_full with the token's whole left context in the window, NLL_short by a sliding window of "
+                  f"L tokens with stride {S} (each token keeps {L - S + 1}…{L} tokens of context). Negative: the model "
+                  "uses context beyond L; 0: it ignores it; positive: the longer context hurts. In brackets the "
+                  f"percentile bootstrap 95% interval over windows ({s['bootstrap']} resamples, seed {s['seed']}); "
+                  f"seeds pooled per window (the mean over a row's seeds). Windows per length: {windows}."]
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -157,6 +196,18 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
             w.writerows(probe_cells)
         images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records),
                                          compare.setting_order(records)))
+    curves = retrieval.probe_curves(records)
+    if curves:
+        images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, compare.setting_order(records))
+    context_cells = context.cells(records)
+    if context_cells:
+        with open(out / "context.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, CONTEXT_COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(context_cells)
+        images["context_vs_length"] = plots.draw_context(out, context.series(context_cells),
+                                                         context_cells[0]["settings"]["train_length"],
+                                                         compare.setting_order(records))
     series = compare.finetune_series(rows)
     if series:
         images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(first[0]["lengths"]), table_title(first[0]))
@@ -179,6 +230,9 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
             + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_tables(probe_cells)}\n\n"
                "![passkey accuracy vs distance](passkey_vs_distance.png)\n![passkey depth x length](passkey_heatmap.png)\n"
                if probe_cells else "")
+            + ("\n![passkey accuracy vs training tokens](passkey_vs_tokens.png)\n" if curves else "")
+            + (f"\n## Context use past L (eval.probes=[context])\n\n{context_tables(context_cells)}\n\n"
+               "![context use vs length](context_vs_length.png)\n" if context_cells else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
                       if lines or head == "Settings held fixed"))
     (out / "report.md").write_text(text)

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import torch
 
+from posbench import context
 from posbench.schemes import variant_label
 
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
 FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the scheme's own options only; 2: rows
 READABLE = (1, 2, 3, 4)  # carry window_nll / window_tokens. Older records are read too (posbench.upgrade.upgrade)
 CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
-               "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads"]
+               "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads",
+               "context_diff", "context_ci_low", "context_ci_high"]  # context_*: eval.probes=[context], lengths past L
 
 
 def record(config: dict, rows: list[dict], label: str, split: str, train_tokens: int, train_seconds: float,
@@ -75,14 +77,17 @@ def tricks_label(config: dict) -> str:
 
 
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
-    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length); return the JSON path."""
+    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length, with the context probe's
+    difference and interval at the lengths it measured); return the JSON path."""
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(rec, indent=1))
+    probed = {r["length"]: {f"context_{k}": r[k] for k in ("diff", "ci_low", "ci_high")}
+              for r in (rec.get("context") or {}).get("rows", [])}
     with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         for row in rec["results"]:
-            w.writerow({**rec, **row})
+            w.writerow({**rec, **row, **probed.get(row["length"], {})})
     return path
 
 
@@ -105,11 +110,14 @@ def _base(rec: dict) -> dict:
 
 
 def run_table(rec: dict) -> str:
-    """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored."""
+    """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored; then the
+    context probe's table when the record has one (posbench/context.py)."""
     base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
     lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {split_text(rec)})",
              f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
     lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
+    if rec.get("context"):
+        lines += ["", context.table(rec["context"])]
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@
   probed on, against the best row;
 * validity: a row whose accuracy in windows no longer than its train length L is below the probe's threshold "does
   not retrieve within L" and is not ranked at lengths past L;
-* :func:`by_distance` and :func:`by_depth` — what the plots draw.
+* :func:`by_distance`, :func:`by_depth` and :func:`probe_curves` — what the plots draw.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ DISTANCE_BINS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # needle-to-qu
 
 
 def probe_key(settings: dict) -> tuple:
-    """What makes two probes' trials the same windows: split, seed, key length, key vocabulary, marker, end mark."""
-    return (settings.get("split"), settings["seed"], settings["key_length"], settings["key_vocab"],
-            settings["marker"], settings["end"])
+    """What makes two probes' trials the same windows: split, seed, key kind (a record from before
+    ``eval.passkey.keys`` drew frequent words), key length, key vocabulary, marker, end mark."""
+    return (settings.get("split"), settings["seed"], settings.get("keys", "frequent"), settings["key_length"],
+            settings["key_vocab"], settings["marker"], settings["end"])
 
 
 def groups(records: list[dict]) -> dict[tuple, dict[str, dict]]:
@@ -138,3 +139,20 @@ def by_depth(records: list[dict]) -> dict[str, tuple[list, list, list]]:
 
 def _mean(values: list) -> float:
     return statistics.fmean(values) if values else math.nan
+
+
+def probe_curves(records: list[dict]) -> dict[str, dict[int, tuple[list, list]]]:
+    """{row label: {probe length: (training tokens, accuracy)}} of the records that probed during training
+    (``probe_curve``: ``eval.probe_every``), the accuracy at each step the mean over the row's seeds; {} when none did."""
+    points = defaultdict(lambda: defaultdict(list))
+    order = {}
+    for rec in records:
+        for row in rec.get("probe_curve") or []:
+            order.setdefault(rec["setting"], rec["order"])
+            for length, acc in row["accuracy"].items():
+                points[(rec["setting"], int(length))][row["tokens"]].append(acc)
+    out = {}
+    for (setting, length), by_tokens in sorted(points.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        tokens = sorted(by_tokens)
+        out.setdefault(setting, {})[length] = (tokens, [statistics.fmean(by_tokens[n]) for n in tokens])
+    return out

@@ -5,7 +5,8 @@ the run's files inside the run folder, only rank 0 logs. What a run logs:
 
 * train/loss, train/lr, train/grad_norm, train/tokens_per_s against the optimizer step;
 * eval/ppl and eval/nll against ``eval/length`` (``define_metric`` with the length as step metric);
-* the per-position NLL of every evaluation length as a line plot.
+* the per-position NLL of every evaluation length as a line plot;
+* the probes' summaries: ``passkey/accuracy@<T>``, ``context/diff@<T>``.
 
 Disabled trackers (``wandb.enabled=false``, WANDB_MODE=disabled, or ranks > 0) accept every call and do nothing.
 """
@@ -104,6 +105,12 @@ class Tracker:
         ``passkey/accuracy@<T>`` (exact-match accuracy per probe length); nothing without one."""
         if probe:
             self.summary(**{f"passkey/accuracy@{n}": a for n, a in passkey.accuracy(probe["trials"]).items()})
+
+    def log_context(self, probe: dict | None) -> None:
+        """A results record's context probe (``context``: posbench/context.py), as run-summary values
+        ``context/diff@<T>`` (mean NLL_full − NLL_short past L, nats/token, per evaluation length); nothing without one."""
+        if probe:
+            self.summary(**{f"context/diff@{r['length']}": r["diff"] for r in probe["rows"]})
 
     def summary(self, **values) -> None:
         """Set run-summary values (e.g. status=failed)."""

@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from posbench import build, checkpoint, dist, lineage, passkey, results
+from posbench import build, checkpoint, context, dist, lineage, passkey, results
 from posbench.config import to_dict
 from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.device import resolve_device, set_threads
@@ -116,6 +116,13 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
                                            t.seq_len, proc.device, e.batch_tokens, log.info if proc.rank == 0 else None)}
     else:
         extra = {}
+    if "context" in e.probes:  # (each rank scores its share of the windows, gathered on every rank; rank 0 writes)
+        extra["context"] = context.record(model, job.corpus.tokens[e.split], to_dict(e.context), e.split, t.seq_len,
+                                          list(e.lengths), e.max_tokens, proc.device, e.batch_tokens,
+                                          log.info if proc.rank == 0 else None, proc.rank, proc.world)
+        tracker.log_context(extra["context"])
+    if e.probe_every and proc.rank == 0:
+        extra["probe_curve"] = probe_curve(out_dir)
     record = results.record(config, rows, job.label, split=e.split, scored_split=job.corpus.same_as.get(e.split, e.split),
                             train_tokens=progress.tokens, train_seconds=wall, device=str(proc.device),
                             threads=proc.threads, world_size=proc.world, world_sizes=progress.world_sizes,
@@ -152,6 +159,23 @@ class Loop:
         self.forward = _compiled(net) if self.t.compile else net
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=proc.device.type == "cuda")
         self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
+        self.probe_every = job.config.eval.probe_every
+
+    def probe(self, step: int, tokens: int, metrics) -> None:
+        """The passkey probe during training (``eval.probe_every``): exact-match accuracy at L and at the longest probe
+        length (the probe's windows, without their controls), as a ``metrics.jsonl`` row ``{"step", "tokens",
+        "passkey@<T>": accuracy}`` and to wandb, so a curve shows when copying forms (:func:`probe_curve`)."""
+        e, L = self.job.config.eval, self.t.seq_len
+        lengths = sorted({L, max(e.passkey.lengths)})
+        trials = passkey.probe(self.model, self.job.corpus.tokens[e.split], self.job.needle, lengths,
+                               list(e.passkey.depths), e.passkey.trials, e.passkey.seed, self.proc.device,
+                               e.batch_tokens, control=False)
+        row = {"step": step, "tokens": tokens, **{f"passkey@{n}": a for n, a in passkey.accuracy(trials).items()}}
+        metrics.write(json.dumps(row) + "\n")
+        self.tracker.log_train(step, **{k: v for k, v in row.items() if k != "step"})
+        if self.quiet:
+            log.info("step %d: passkey accuracy %s", step, ", ".join(f"{k[8:]}: {v:.0%}" for k, v in row.items()
+                                                                    if k.startswith("passkey@")))
 
     def run(self, progress: Progress, stop: StopSignals) -> bool:
         """Train from ``progress.step`` (updated in place) to ``train.steps``. Returns True when a stop signal
@@ -166,6 +190,8 @@ class Loop:
                 window.append(self.step(i))
                 stop.step_ended()
                 progress.step, progress.tokens = i + 1, progress.tokens + t.batch_size * t.seq_len * self.proc.world
+                if self.probe_every and progress.step % self.probe_every == 0 and self.main:
+                    self.probe(progress.step, progress.tokens, metrics)
                 due = bool(t.checkpoint_every) and progress.step % t.checkpoint_every == 0 and progress.step < t.steps
                 if len(window) < sync_every and not due and progress.step < t.steps:
                     continue
@@ -188,9 +214,12 @@ class Loop:
         lr = t.lr * lr_factor(i, t.warmup_steps, t.steps, t.min_lr / t.lr, t.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        d = self.job.config.data
         x, y = (b.to(self.proc.device, non_blocking=True)
                 for b in get_batch(self.job.corpus.tokens["train"], i, seed, t.batch_size, t.seq_len, self.proc.rank,
-                                   self.job.needle, self.job.config.data.passkey_rate))
+                                   self.job.needle, d.passkey_rate, d.passkey_pairs,
+                                   copy_rate(d.copy_rate, d.copy_until, i, t.steps), self.job.corpus.eos,
+                                   self.job.corpus.vocab_size))
         extra = {}
         if t.random_positions:  # (off: the call, and every random number, as without the option)
             extra["pos"] = random_positions(seed, i, self.proc.rank, t.random_positions, t.seq_len).to(self.proc.device)
@@ -228,6 +257,18 @@ class Loop:
         raise TrainingFailed(message)
 
 
+def probe_curve(run_dir) -> list[dict]:
+    """The probe rows of a run's ``metrics.jsonl`` (:meth:`Loop.probe`), in step order: [{"step", "tokens",
+    "accuracy": {T: accuracy}}]; [] when the run did not probe during training."""
+    path, rows = run_dir / "metrics.jsonl", {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        acc = {int(k[8:]): v for k, v in row.items() if k.startswith("passkey@")}
+        if acc:
+            rows[row["step"]] = {"step": row["step"], "tokens": row["tokens"], "accuracy": acc}
+    return [rows[k] for k in sorted(rows)]
+
+
 def lineage_fields(job: TrainJob, tokens: int) -> dict:
     """A fine-tuned run's ``lineage`` (posbench/lineage.py) and ``total_train_tokens`` (the parent's total + its
     own ``tokens``; None when the parent's is unknown), for its record and checkpoint; {} for a run from scratch."""
@@ -250,19 +291,33 @@ def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: d
 
 
 def get_batch(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int, rank: int = 0,
-              needle: passkey.Needle | None = None, passkey_rate: float = 0.0):
+              needle: passkey.Needle | None = None, passkey_rate: float = 0.0, passkey_pairs: int = 1,
+              copy: float = 0.0, separator: int = 0, vocab_size: int = 0):
     """Batch ``step``: ``batch_size`` random crops of ``seq_len`` + 1 tokens, a pure function of (seed, step, rank).
-    With ``passkey_rate`` > 0, each crop gets a needle + query pair with that probability (posbench/passkey.py
-    ``insert``, from a generator of its own: the crops are those of a run without needles).
+    With ``copy`` > 0 (this step's copy rate: :func:`copy_rate`), each crop becomes a copy window with that probability
+    (posbench/passkey.py ``copy_spans``: random tokens of ``vocab_size``, ``separator`` between the span and its
+    repeat); then, with ``passkey_rate``
+    > 0, each other crop gets ``passkey_pairs`` needle + query pairs with that probability (``insert``). Each from a
+    generator of its own, so the crops are those of a run without them, and 0 leaves the batch as it was.
 
     Returns (x, y), each (B, L) int64, y = x shifted by one token.
     """
     starts = np.random.default_rng([seed, step, rank]).integers(0, len(tokens) - seq_len - 1, batch_size)
     crops = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)  # (B, L+1)
+    copied = (passkey.copy_spans(crops, separator, vocab_size, copy, np.random.default_rng([seed, step, rank, 3]))
+              if copy > 0 else None)
     if passkey_rate > 0:
-        passkey.insert(crops, needle, passkey_rate, np.random.default_rng([seed, step, rank, 1]))
+        passkey.insert(crops, needle, passkey_rate, np.random.default_rng([seed, step, rank, 1]), passkey_pairs, copied)
     crops = torch.from_numpy(crops)
     return crops[:, :-1], crops[:, 1:]
+
+
+def copy_rate(rate: float, until: float, step: int, steps: int) -> float:
+    """The copy-window rate of step ``step`` (0-based) of ``steps``: ``rate`` falling linearly to 0 at step
+    ``until`` · ``steps`` (and 0 from there on), so copy windows seed copying early and leave the end of training to
+    the corpus (Bi-Induct's annealed curriculum)."""
+    end = until * steps
+    return rate * max(0.0, 1.0 - step / end) if rate > 0 and end > 0 else 0.0
 
 
 def random_positions(seed: int, step: int, rank: int, high: int, length: int) -> torch.Tensor:

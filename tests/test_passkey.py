@@ -142,7 +142,9 @@ REFUSALS = [
     (["eval.passkey.lengths=[16,64]"], r"evaluation length 16 is shorter than a needle and a query"),
     (["eval.passkey.key_length=0"], r"eval.passkey.key_length=0"),
     (["eval.passkey.key_vocab=3"], r"eval.passkey.key_vocab=3 is smaller than eval.passkey.key_length=4"),
-    (["eval.passkey.key_vocab=100000"], r"eval.passkey.key_vocab=100000: the key vocabulary"),
+    (["eval.passkey.keys=frequent", "eval.passkey.key_vocab=100000"], r"eval.passkey.key_vocab=100000: the key vocabulary"),
+    (["eval.passkey.keys=reserved", "eval.passkey.key_vocab=4000"], r"eval.passkey.key_vocab=4000: the key vocabulary .* "
+                                                                    r"tokens absent from the train split"),
     (["eval.passkey.marker="], r"eval.passkey.marker='': the run's tokenizer cannot encode it"),
     (["eval.probes=[needle]"], r"eval.probes has 'needle'"),
     (["data.passkey_rate=1.5"], r"data.passkey_rate=1.5"),
