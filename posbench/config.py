@@ -266,6 +266,9 @@ def _eval_values(e: DictConfig, seq_len: int) -> None:
     if isinstance(e.probe_every, bool) or not isinstance(e.probe_every, int) or e.probe_every < 0:
         raise ConfigError(f"eval.probe_every={e.probe_every!r} is not allowed: give the training steps between probes "
                           "(> 0), or 0 for none")
+    if e.probe_every and "passkey" not in e.probes:
+        raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
+                          "'eval.probes=[passkey]', or drop eval.probe_every")
     if e.lengths is None:
         e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:

@@ -78,6 +78,9 @@ def prepare(job: DictConfig) -> EvalJob:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"run={job.run!r}: {e}") from None
     check_device("device", job.device)
+    if job.eval.probe_every:
+        raise ConfigError(f"eval.probe_every={job.eval.probe_every} probes during training; posbench eval probes once: "
+                          "drop it")
     cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
     cfg.eval = job.eval
     given = {k: v for k, v in to_dict(job.scheme).items() if v is not None} if isinstance(job.get("scheme"), DictConfig) else {}

@@ -13,7 +13,7 @@ Trials are a pure function of (seed, T, trial index) and the tokenizer, so every
 is probed on the same windows, and cells pair across schemes. The same needle format serves training
 (``data.passkey_rate``: :func:`insert`), with fresh keys and needle-to-query distances within the window.
 
-    needle = make_needle(tokenizer_path, train_tokens, " The pass key is", ".", key_length=4, key_vocab=100)
+    needle = make_needle(tokenizer_path, train_tokens, " The pass key is", ".", key_length=4, key_vocab=10, keys="digits")
     rows = probe(model, eval_tokens, needle, lengths=[128, 256], depths=[0, 0.5, 1], trials=20, seed=0)
 """
 
@@ -100,7 +100,7 @@ class Needle:
 
 
 def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str, key_length: int, key_vocab: int,
-                keys: str = "frequent") -> Needle:
+                keys: str = "digits") -> Needle:
     """The needle format of a corpus's tokenizer, with the key vocabulary ``keys`` names:
 
     * ``digits``: the first ``key_vocab`` (≤ 10) digits, each one token, after a space appended to the marker, so a
@@ -130,8 +130,11 @@ def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str,
     if keys == "digits":
         ids["marker"] = tuple(tok.encode(marker + " ").ids)
         vocab = [tok.token_to_id(str(d)) for d in range(min(key_vocab, 10))]
-        spelt = tok.encode(marker + " " + "".join(str(d) for d in range(10))).ids[len(ids["marker"]):]
-        if None in vocab or spelt != [tok.token_to_id(str(d)) for d in range(10)] or taken & set(vocab):
+        digit = {str(d): tok.token_to_id(str(d)) for d in range(10)}
+        pairs = [f"{a}{b}" for a in range(10) for b in range(10)]  # (a merge of longer digit strings needs one of these)
+        spelt = all(tok.encode(marker + " " + text).ids == [*ids["marker"], *(digit[c] for c in text)]
+                    for text in [*digit, *pairs])
+        if None in vocab or not spelt or taken & set(vocab):
             raise ValueError("eval.passkey.keys=digits: the run's tokenizer does not spell each digit as a token of its "
                              "own after the marker; choose eval.passkey.keys=frequent or reserved")
         if key_vocab > len(vocab):
@@ -308,9 +311,10 @@ def layout(width: int, needle: Needle, pairs: int, rng: np.random.Generator) -> 
     its query at b_i, in order a_1 < b_1 < a_2 < b_2 < …. Each pair's distance d_i = b_i − a_i (key to key) is drawn
     log-uniformly from [needle, needle + room] (room: the tokens the other pairs leave; the pairs draw in random
     order, so the long one may fall anywhere), then the haystack left over is split into pairs + 1 gaps by uniform
-    cut points. Log-uniform gives every octave of distance as many pairs: short distances, as a probe's needle at
-    depth 1, and long ones up to the window, with many distinct distances (a few would teach a positional shortcut
-    instead of copying: Kawata et al. 2025). Raises ValueError when the pairs do not fit in ``width``."""
+    cut points. The first pair to draw is log-uniform over the whole room, later ones over what is left: every octave of
+    distance gets pairs, short ones as a probe's needle at depth 1 and long ones up to the window, with many distinct
+    distances (a few would teach a positional shortcut instead of copying: Kawata et al. 2025). (One pair per window,
+    :func:`insert`'s default, keeps the older uniform draw.) Raises ValueError when the pairs do not fit in ``width``."""
     n, q = needle.needle_length, needle.query_length
     room = width - pairs * (n + q)
     if room < 0:

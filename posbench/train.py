@@ -161,10 +161,13 @@ class Loop:
         self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
         self.probe_every = job.config.eval.probe_every
 
-    def probe(self, step: int, tokens: int, metrics) -> None:
-        """The passkey probe during training (``eval.probe_every``): exact-match accuracy at L and at the longest probe
-        length (the probe's windows, without their controls), as a ``metrics.jsonl`` row ``{"step", "tokens",
-        "passkey@<T>": accuracy}`` and to wandb, so a curve shows when copying forms (:func:`probe_curve`)."""
+    def probe(self, step: int, tokens: int, metrics, logged: int) -> None:
+        """The passkey probe during training (``eval.probe_every``, and after the last step): exact-match accuracy at L
+        and at the longest probe length (the probe's windows, without their controls), as a ``metrics.jsonl`` row
+        ``{"step", "tokens", "passkey@<T>": accuracy}`` and to wandb (past ``logged``, the steps a killed run sent
+        already), so a curve shows when copying forms (:func:`probe_curve`). The step's gradients are dropped first
+        (the next step sets them anew), so the probe's activations take their memory."""
+        self.optimizer.zero_grad(set_to_none=True)
         e, L = self.job.config.eval, self.t.seq_len
         lengths = sorted({L, max(e.passkey.lengths)})
         trials = passkey.probe(self.model, self.job.corpus.tokens[e.split], self.job.needle, lengths,
@@ -172,7 +175,8 @@ class Loop:
                                e.batch_tokens, control=False)
         row = {"step": step, "tokens": tokens, **{f"passkey@{n}": a for n, a in passkey.accuracy(trials).items()}}
         metrics.write(json.dumps(row) + "\n")
-        self.tracker.log_train(step, **{k: v for k, v in row.items() if k != "step"})
+        if step > logged:
+            self.tracker.log_train(step, **{k: v for k, v in row.items() if k != "step"})
         if self.quiet:
             log.info("step %d: passkey accuracy %s", step, ", ".join(f"{k[8:]}: {v:.0%}" for k, v in row.items()
                                                                     if k.startswith("passkey@")))
@@ -190,8 +194,9 @@ class Loop:
                 window.append(self.step(i))
                 stop.step_ended()
                 progress.step, progress.tokens = i + 1, progress.tokens + t.batch_size * t.seq_len * self.proc.world
-                if self.probe_every and progress.step % self.probe_every == 0 and self.main:
-                    self.probe(progress.step, progress.tokens, metrics)
+                if (self.probe_every and self.main and not stop.received
+                        and (progress.step % self.probe_every == 0 or progress.step == t.steps)):
+                    self.probe(progress.step, progress.tokens, metrics, logged)
                 due = bool(t.checkpoint_every) and progress.step % t.checkpoint_every == 0 and progress.step < t.steps
                 if len(window) < sync_every and not due and progress.step < t.steps:
                     continue

@@ -132,18 +132,14 @@ def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
 def needle_of(cfg: DictConfig, corpus: data.Corpus) -> passkey.Needle | None:
     """The passkey needle of ``cfg.eval.passkey`` in the corpus's tokenizer when the job trains or probes with it,
     else None. Raises ConfigError: options the tokenizer cannot serve (``posbench.passkey.make_needle``), probe
-    lengths too short for a needle and a query, training windows too short for ``data.passkey_pairs`` of them, or
-    ``eval.probe_every`` without ``eval.probes=[passkey]``."""
+    lengths too short for a needle and a query, or training windows too short for ``data.passkey_pairs`` of them."""
     p, d = cfg.eval.passkey, cfg.data
     probing = "passkey" in cfg.eval.probes
-    if cfg.eval.get("probe_every") and not probing:
-        raise ConfigError(f"eval.probe_every={cfg.eval.probe_every} probes retrieval during training: add "
-                          "'eval.probes=[passkey]', or drop eval.probe_every")
     if not (d.get("passkey_rate") or probing):
         return None
     try:
         needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], p.marker, p.end, p.key_length,
-                                     p.key_vocab, p.get("keys", "frequent"))
+                                     p.key_vocab, p["keys"])
         if probing:
             passkey.trials(len(corpus.tokens[cfg.eval.split]), needle, list(p.lengths), list(p.depths), 1, p.seed)
     except ValueError as e:

@@ -29,8 +29,14 @@ RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoint
              "train.device", "train.check_memory", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
 
 
+NEEDLE_KEYS = ("eval.passkey.keys", "eval.passkey.key_vocab", "eval.passkey.key_length", "eval.passkey.marker",
+               "eval.passkey.end")  # the needle format: training batches hold it when data.passkey_rate > 0
+
+
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (plain dicts), excluding :data:`RESUMABLE`."""
+    """Dotted keys whose values differ between two resolved configs (plain dicts), excluding :data:`RESUMABLE`, but
+    for :data:`NEEDLE_KEYS` when either config writes needles into its training batches (``data.passkey_rate`` > 0)."""
+    needles = not prefix and any((c.get("data") or {}).get("passkey_rate") for c in (old, new))
     out = []
     for k in sorted(set(old) | set(new)):
         key, a, b = prefix + k, old.get(k), new.get(k)
@@ -38,6 +44,9 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
             out += changed_keys(a, b, key + ".")
         elif a != b and not key.startswith(RESUMABLE):
             out.append(key)
+    if needles:
+        passkeys = [(c.get("eval") or {}).get("passkey") or {} for c in (old, new)]
+        out += [k for k in NEEDLE_KEYS if passkeys[0].get(k.rsplit(".", 1)[1]) != passkeys[1].get(k.rsplit(".", 1)[1])]
     return out
 
 
@@ -182,16 +191,19 @@ def set_aside(out_dir: Path) -> Path | None:
 
 def metrics_file(out_dir: Path, step0: int):
     """``metrics.jsonl`` opened for appending, with rows past ``step0`` (from before a crash) dropped; and the
-    last step it held (0 when none)."""
+    last step whose loss it held (0 when none)."""
     path, last = Path(out_dir) / "metrics.jsonl", 0
     if path.exists():
         keep = []
         for line in path.read_text().splitlines():
             try:
-                last = max(last, json.loads(line)["step"])
+                row = json.loads(line)
+                step = row["step"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 break  # a torn last row (power loss, full disk): it and anything after it go
-            if last <= step0:
+            if "loss" in row:  # (a probe row, eval.probe_every, may be written before its window's loss rows)
+                last = max(last, step)
+            if step <= step0:
                 keep.append(line)
         path.write_text("".join(line + "\n" for line in keep))
     return open(path, "a", buffering=1), last

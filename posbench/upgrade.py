@@ -11,7 +11,9 @@ Every key a record lacks reads as its default, except where the default would mi
   a checkpoint or training state (format 3, which records every option since ``yarn_ramp`` exists), was written with
   the paper's ramp, before the reference ramp became the default: its ``yarn_ramp`` reads as ``paper``;
 * a recorded section of a scheme with a ``per_layer`` option (FIRE) but without the key was written when one
-  instance served every layer: its ``per_layer`` reads as false (today's records hold every option).
+  instance served every layer: its ``per_layer`` reads as false (today's records hold every option);
+* a recorded ``eval.passkey`` without ``keys`` was written when keys were the frequent words: its ``keys`` reads as
+  ``frequent``.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def upgrade(config: dict, fmt: int | None = None) -> dict:
     """
     config = copy.deepcopy(config)
     config["scheme"] = scheme = scheme_section(config.get("scheme", {}), fmt)
+    probe = (config.get("eval") or {}).get("passkey")
+    if isinstance(probe, dict):
+        probe.setdefault("keys", "frequent")
     if fmt is not None and fmt < 2 and isinstance(config.get("model"), dict):
         config["model"].setdefault("scale_embeddings", scheme["name"] == "sinusoidal")
     try:

@@ -67,8 +67,8 @@ def test_one_pair_keeps_todays_draws():
     assert np.array_equal(got, want)
 
 
-def test_one_pair_distances_are_log_uniform():
-    """layout()'s distance d, key to key, is floor(exp(U(ln n, ln(n + room + 1)))): P(d ≤ x) = ln((x+1)/n) / ln((n+room+1)/n)."""
+def test_layout_of_one_pair_draws_log_uniform_distances():
+    """layout()'s distance d (a pair drawing from the whole room; insert() keeps the older uniform draw for one pair), key to key, is floor(exp(U(ln n, ln(n + room + 1)))): P(d ≤ x) = ln((x+1)/n) / ln((n+room+1)/n)."""
     n, q, width = 7, 6, 520
     room = width - n - q
     rng = np.random.default_rng(1)
@@ -112,6 +112,38 @@ def test_copy_windows_repeat_a_random_span_after_the_separator():
     assert counts.max() < 3 * counts[np.arange(vocab) != 7].mean()
 
 
+def test_copy_span_lengths_cover_one_to_half_the_window():
+    crops = np.ones((4000, 65), dtype=np.int64)
+    passkey.copy_spans(crops, 0, 50, 1.0, np.random.default_rng(4))
+    m = np.argmax(crops == 0, axis=1)  # the separator's position = the span's length
+    assert m.min() == 1 and m.max() == 32 and len(set(m.tolist())) == 32
+
+
+def test_a_batch_with_copies_and_needles_is_the_two_generators_draws():
+    """get_batch's crops, then copy windows from default_rng([seed, step, rank, 3]), then needles in the other rows from
+    default_rng([seed, step, rank, 1]): the batch written out here draw by draw."""
+    tokens, seed, step, rank, B, L, vocab = stream(3000), 3, 7, 1, 12, 40, 20
+    x, y = get_batch(tokens, step, seed, B, L, rank, NEEDLE, 0.7, 2, 0.4, 0, vocab)
+    starts = np.random.default_rng([seed, step, rank]).integers(0, len(tokens) - L - 1, B)
+    want = np.stack([tokens[s: s + L + 1] for s in starts]).astype(np.int64)
+    rng = np.random.default_rng([seed, step, rank, 3])
+    copied = rng.random(B) < 0.4
+    for row in np.flatnonzero(copied):
+        m = int(rng.integers(1, L // 2 + 1))
+        span = rng.integers(0, vocab - 1, m) + 1  # every id but the separator 0
+        want[row] = np.concatenate([span, [0], span, want[row]])[: L + 1]
+    rng = np.random.default_rng([seed, step, rank, 1])
+    for row in np.flatnonzero(rng.random(B) < 0.7):
+        if copied[row]:
+            continue
+        for a, b in passkey.layout(L + 1, NEEDLE, 2, rng):
+            key = np.arange(20, 30)[rng.integers(0, 10, 3)]
+            want[row, a: a + 7] = [40, 41, 42, *key, 43]
+            want[row, b: b + 6] = [40, 41, 42, *key]
+    assert torch.equal(x, torch.from_numpy(want[:, :-1])) and torch.equal(y, torch.from_numpy(want[:, 1:]))
+    assert copied.any() and (~copied).any()
+
+
 def test_copy_rate_falls_linearly_to_zero_at_copy_until():
     assert copy_rate(0.5, 0.5, 0, 1000) == 0.5
     assert copy_rate(0.5, 0.5, 250, 1000) == pytest.approx(0.25)
@@ -150,7 +182,7 @@ def test_digit_keys_read_as_the_original_test(corpus):
     assert tok.decode([*needle.marker, *key, *needle.end]) == " The pass key is 7143."
     val = np.asarray(corpus.tokens["validation"])
     assert passkey.key_fraction(val, needle) == np.isin(val, needle.keys).sum() / len(val) < 1e-4
-    frequent = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100)
+    frequent = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
     assert passkey.key_fraction(val, frequent) > 0.1  # the haystack is full of frequent words
 
 
@@ -169,6 +201,14 @@ def test_a_tokenizer_that_merges_digits_cannot_spell_a_digit_key(tmp_path):
     tok.save(str(tmp_path / "tok.json"))
     with pytest.raises(ValueError, match="eval.passkey.keys=digits: the run's tokenizer does not spell each digit"):
         passkey.make_needle(tmp_path / "tok.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
+    years = Tokenizer(models.BPE())  # merges that leave 0…9 in order alone but spell " 1999" as one token
+    years.pre_tokenizer, years.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    years.train_from_iterator(["The pass key is 1999 and 1999 ."] * 200,
+                              trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    years.save(str(tmp_path / "years.json"))
+    assert len(years.encode(" 1999").ids) == 1
+    with pytest.raises(ValueError, match="does not spell each digit"):
+        passkey.make_needle(tmp_path / "years.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
 
 
 # ---- the options' checks ----------------------------------------------------------------------------------------
@@ -192,6 +232,7 @@ def cfg_of():
     (["data.copy_rate=1.5"], r"data.copy_rate=1.5 is not allowed: it is a fraction of training windows"),
     (["data.copy_until=0"], r"data.copy_until=0(\.0)? is not allowed"),
     (["eval.probe_every=-1"], r"eval.probe_every=-1 is not allowed"),
+    (["eval.probe_every=2"], r"eval.probe_every=2 probes retrieval during training: add 'eval.probes=\[passkey\]'"),
 ])
 def test_bad_values_are_refused_in_one_line(cfg_of, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -207,7 +248,6 @@ def test_filled_key_vocabulary_follows_the_key_kind(cfg_of):
 @pytest.mark.parametrize("overrides, message", [
     (["data.passkey_rate=0.5", "data.passkey_pairs=2"], r"data.passkey_pairs=2 needle \+ query pairs take 2 × 21 tokens, "
                                                         r"more than a training window of train.seq_len \+ 1 = 33"),
-    (["eval.probe_every=2"], r"eval.probe_every=2 probes retrieval during training: add 'eval.probes=\[passkey\]'"),
 ])
 def test_refusals_that_need_the_tokenizer_exit_2_with_nothing_written(run_cli, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
@@ -217,20 +257,38 @@ def test_refusals_that_need_the_tokenizer_exit_2_with_nothing_written(run_cli, d
     assert __import__("re").search(message, line), line
 
 
+def test_a_record_from_before_key_kinds_reads_as_frequent_words():
+    from posbench.upgrade import upgrade
+
+    old = {"scheme": {"name": "rope"}, "eval": {"passkey": {"key_length": 4, "key_vocab": 100}}}
+    assert upgrade(old)["eval"]["passkey"]["keys"] == "frequent"
+    assert upgrade({"scheme": {"name": "rope"}})["eval"]["passkey"]["keys"] == "digits"  # no probe recorded: today's
+
+
+def test_a_run_that_trains_on_needles_cannot_resume_with_another_needle_format():
+    from posbench.training_state import changed_keys
+
+    def config(rate, keys):
+        return {"data": {"passkey_rate": rate}, "eval": {"passkey": {"keys": keys, "key_vocab": 10}, "lengths": [32]}}
+
+    assert changed_keys(config(0.5, "frequent"), config(0.5, "digits")) == ["eval.passkey.keys"]
+    assert changed_keys(config(0.0, "frequent"), config(0.0, "digits")) == []  # only the probe changes: resumable
+
+
 # ---- the probe during training ---------------------------------------------------------------------------------
 
 
 def test_probe_every_writes_a_curve_to_metrics_and_the_record(run_cli, data_cache, tmp_path):
     run = tmp_path / "run"
-    proc = run_into(run_cli, data_cache, run, "eval.probes=[passkey]", "eval.probe_every=2", "eval.passkey.trials=2",
+    proc = run_into(run_cli, data_cache, run, "eval.probes=[passkey]", "eval.probe_every=3", "eval.passkey.trials=2",
                     "data.passkey_rate=0.5", "data.copy_rate=0.5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "passkey@32" in r]
-    assert [(r["step"], r["tokens"]) for r in probes] == [(2, 2 * 4 * 32), (4, 4 * 4 * 32)]  # debug=fast: 4 × 32 a step
+    assert [(r["step"], r["tokens"]) for r in probes] == [(3, 3 * 4 * 32), (4, 4 * 4 * 32)]  # every 3 steps, and the last
     assert all(set(r) == {"step", "tokens", "passkey@32", "passkey@64"} for r in probes)
     rec = json.loads((run / "results.json").read_text())
-    assert [c["step"] for c in rec["probe_curve"]] == [2, 4]
+    assert [c["step"] for c in rec["probe_curve"]] == [3, 4]
     assert rec["probe_curve"][1]["accuracy"] == {"32": probes[1]["passkey@32"], "64": probes[1]["passkey@64"]}
     assert rec["passkey"]["settings"]["keys"] == "digits" and rec["passkey"]["settings"]["key_fraction"] < 1e-3
     report = run_cli("report", str(run), "--out", str(tmp_path / "rep"))
@@ -251,3 +309,9 @@ def test_probe_curves_average_seeds_per_step_and_keep_each_length():
     assert set(curves) == {"rope", "alibi"}
     assert curves["rope"][32] == ([100, 200], [pytest.approx(0.3), pytest.approx(0.8)])
     assert curves["rope"][64][1] == [pytest.approx(0.15), pytest.approx(0.4)] and curves["alibi"][32] == ([200], [0.5])
+
+
+def test_posbench_eval_refuses_probe_every(run_cli, existing_run):
+    before = snapshot(existing_run)
+    line = refused(run_cli("eval", f"run={existing_run}", "eval.probe_every=5"), existing_run, before)
+    assert line == "eval.probe_every=5 probes during training; posbench eval probes once: drop it"

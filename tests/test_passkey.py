@@ -123,7 +123,7 @@ def test_keys_are_frequent_whole_words_and_never_marker_tokens(data_cache):
 
     corpus = data.prepare("shakespeare", 4096, cache_dir=str(data_cache), validation=["hamlet", "the-tempest"],
                           test=["macbeth", "twelfth-night"])
-    needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100)
+    needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(corpus.tokenizer_path))
