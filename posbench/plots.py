@@ -79,13 +79,7 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, 
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}",
            title=f"Perplexity at {length} tokens vs fine-tuning budget\n{title}")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "ppl_vs_finetune.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, out / "ppl_vs_finetune.png")
 
 
 def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[str, tuple[list, list, list]],
@@ -151,22 +145,22 @@ def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], tr
     ax.set_xscale("log", base=2)
     ax.set(xlabel="evaluation length T (tokens)", ylabel="NLL whole window − NLL last ≤ L tokens (nats/token)",
            title=f"Context use past L = {train_length} (negative: uses context beyond L)")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "context_vs_length.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, out / "context_vs_length.png")
 
 
 def _finish(plt, fig, ax, train_length: int, path: Path) -> None:
-    ax.title.set_fontsize(9)
     ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
-    ax.legend(fontsize=8)
+    _save(plt, fig, ax, path)
+
+
+def _save(plt, fig, ax, path: Path, **legend) -> Path:
+    """Small title, legend (``legend``: its options beyond fontsize 8), tight layout, ``path`` at 110 dpi; the figure closed."""
+    ax.title.set_fontsize(9)
+    ax.legend(**{"fontsize": 8, **legend})
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
 
 def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], order: list[str]) -> Path:
@@ -189,10 +183,4 @@ def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]]
     ax.set_xscale("log")
     ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03),
            title="Passkey retrieval during training (solid: at L, dashed: longest probe length)")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out / "passkey_vs_tokens.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, out / "passkey_vs_tokens.png", fontsize=7, ncol=2)

@@ -170,6 +170,14 @@ def _probe_mark(c: dict) -> str:
 # ---- files ---------------------------------------------------------------------------------------
 
 
+def _write_csv(path: Path, columns: list[str], rows) -> None:
+    """``rows`` (dicts) as CSV at ``path``: ``columns`` in order, other keys left out."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[str, Path]]:
     """Collect, fold, write report.md / report.csv / both PNGs into ``out``; return (tables, rows, images).
 
@@ -181,19 +189,13 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     train_length = compare.origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
     _, fixed, varying, per_scheme = compare.settings(records)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "report.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, REPORT_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows)
+    _write_csv(out / "report.csv", REPORT_COLUMNS, ({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows))
     first = [r for r in rows if r["table"] == 1]  # the plotted table: validation split, nonoverlapping when present
     images = plots.draw(out, train_length, table_title(first[0]), first, compare.position_curves(records, rows),
                         compare.setting_order(records))
     probe_cells = retrieval.cells(records)
     if probe_cells:
-        with open(out / "passkey.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, PASSKEY_COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(probe_cells)
+        _write_csv(out / "passkey.csv", PASSKEY_COLUMNS, probe_cells)
         images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records),
                                          compare.setting_order(records)))
     curves = retrieval.probe_curves(records)
@@ -201,10 +203,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
         images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, compare.setting_order(records))
     context_cells = context.cells(records)
     if context_cells:
-        with open(out / "context.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, CONTEXT_COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(context_cells)
+        _write_csv(out / "context.csv", CONTEXT_COLUMNS, context_cells)
         images["context_vs_length"] = plots.draw_context(out, context.series(context_cells),
                                                          context_cells[0]["settings"]["train_length"],
                                                          compare.setting_order(records))
