@@ -14,8 +14,13 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
 * ``causal`` — no bias: ``F.scaled_dot_product_attention(is_causal=True)``.
 * ``flex``   — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias
   that is not key-only: FlexAttention (``torch.nn.attention.flex_attention``, PyTorch ≥ 2.5; Dong et al.
-  2024, arXiv:2412.05496) with the scheme's ``score_mod`` and a causal BlockMask (cached per length),
-  compiled once. On CPU it has no backward; if it fails to compile there, the dense kernel takes over.
+  2024, arXiv:2412.05496) with a causal BlockMask (cached per length) and a score_mod that looks the bias up in a
+  table built once per forward pass — per distance (H, N) for a ``distance_table`` scheme; per (query, key) pair
+  (H, T, T) for a learned bias of i and j when gradients are on (FIRE) — or, otherwise, the scheme's own
+  ``score_mod``. A table's gradient leaves the kernel through one indexing op and reaches the parameters outside
+  it. Compiled once per process, with automatic dynamic shapes (a second length reuses the kernel) and a recompile
+  limit that raises rather than fall back to Flex's eager form (:data:`FLEX_VARIANTS`; :func:`reset_compiled`
+  between jobs). On CPU it has no backward; if it fails to compile there, the dense kernel takes over.
 * ``folded`` — a key-only bias (ALiBi) on CPU in float32/float64. Softmax ignores a term constant across a
   query's row, so Press et al. 2022 (§3)'s −m·(i − j) may be replaced by the key-only −m·(c − j) for a
   reference position c, which is one extra head dimension: q' = (q/√Dh, 1), k' = (k, bias(c, j)),
@@ -25,7 +30,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   without gradients a longer one runs, per block, a causal diagonal square and the unmasked keys before it,
   merged by their log-sum-exps; with gradients, each block against all its keys with a causal float mask.
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
-  causal mask materialised one block of queries at a time (at most :data:`BIAS_ELEMENTS` floats), built once
+  causal mask (``scheme.bias``, or the per-distance table indexed by i − j) materialised one block of queries
+  at a time (at most :data:`BIAS_ELEMENTS` floats), built once
   per forward pass for the layers of one scheme instance (all of them, or one: ``per_layer``) when the whole mask
   fits in that budget.
 * ``contextual`` — a scheme whose bias depends on the content (CoPE, ``contextual = True``), on every device,
@@ -59,6 +65,7 @@ from posbench.schemes.base import PositionalScheme
 BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys floats) built at once, 64 MiB in fp32
 FOLD_QUERIES = 256  # folded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
 CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
+CONTEXT_ELEMENTS_CUDA = 1 << 26  # the same on a GPU, 256 MiB: blocks of a CPU's size leave a GPU launch-bound
 KERNELS = ("causal", "flex", "folded", "dense", "contextual")
 ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: a factor on the queries before any kernel (model.GPT)
 log = logging.getLogger("posbench")
@@ -90,8 +97,12 @@ class Context:
             diagonal; block [s, e) takes the view [: e − s, T − s : T + e − s] (0 before key s, causal after).
         masks: dense: per block, bias + causal mask (H, end − start, end), or None when they do not all fit
             in :data:`BIAS_ELEMENTS` (then each layer builds them one block at a time).
-        block_mask, score_mod: flex: the causal BlockMask of length T and ``scheme.score_mod`` with Flex's
-            signature (positions looked up from the indices).
+        block_mask, score_mod: flex: the causal BlockMask of length T and the score_mod with Flex's signature
+            (:func:`_flex_score_mod`).
+        table: flex and dense, a ``distance_table`` scheme: its bias per distance (H, N) (:func:`distance_table`);
+            flex with gradients, a scheme with learned parameters and no distance table (FIRE): its bias of every
+            (query, key) pair (H, T, T), so that Flex's backward indexes each parameter once (Inductor refuses a
+            score_mod that indexes a tensor needing gradients twice).
     """
 
     scheme: PositionalScheme
@@ -105,6 +116,7 @@ class Context:
     masks: list[torch.Tensor] | None = None
     block_mask: object = None
     score_mod: object = None
+    table: torch.Tensor | None = None
 
 
 def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32,
@@ -128,15 +140,17 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout)
+    if kernel in ("flex", "dense") and scheme.distance_table:
+        ctx.table = distance_table(scheme, pos, dtype)  # (H, N)
     if kernel == "flex":
-        if flex_attention is None or dropout or (device.type == "cpu" and grad):
+        if flex_attention is None or dropout or (grad and not flex_backward(device)):
             raise ValueError("FlexAttention needs torch >= 2.5 and no dropout, and on CPU no gradients")
         ctx.block_mask = _causal_block_mask(T, device)
-
-        def score_mod(score, b, h, q_idx, kv_idx):  # Flex's signature; positions looked up from the indices
-            return scheme.score_mod(score, h, pos[q_idx], pos[kv_idx]).to(score.dtype)
-
-        ctx.score_mod = score_mod
+        if ctx.table is None and grad and any(p.requires_grad for p in scheme.parameters()):
+            ctx.table = scheme.bias(pos, pos, dtype)  # (H, T, T): a learned bias of i and j (FIRE), indexed once
+        if ctx.table is not None and ctx.table._base is not None:  # a view's gradient does not reach its base
+            ctx.table = ctx.table.clone()  # through Flex's backward (torch 2.13): Flex gets a tensor of its own
+        ctx.score_mod = _flex_score_mod(scheme, pos, ctx.table)
     elif kernel == "folded":
         if not scheme.key_only_bias:
             raise ValueError(f"the folded kernel needs a key-only bias; {type(scheme).__name__}.key_only_bias is False")
@@ -153,8 +167,13 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     elif kernel == "dense":
         ctx.blocks = _dense_blocks(T, n_head)
         if n_head * T * T <= BIAS_ELEMENTS:  # the whole mask fits the budget: build it once for all layers
-            ctx.masks = [dense_mask(scheme, pos, n_head, s, e, dtype) for s, e in ctx.blocks]
+            ctx.masks = [dense_mask(scheme, pos, n_head, s, e, dtype, ctx.table) for s, e in ctx.blocks]
     return ctx
+
+
+def flex_backward(device: torch.device) -> bool:
+    """Whether FlexAttention has a backward on ``device``: not on CPU (torch refuses inputs that need gradients)."""
+    return device.type != "cpu"
 
 
 def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.dtype, dropout: float,
@@ -231,13 +250,29 @@ def _dense_blocks(T: int, n_head: int) -> list[tuple[int, int]]:
     return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
 
 
+def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias of a ``distance_table`` scheme at every distance n = 0…N−1 a window at positions ``pos`` (T,) int64
+    holds, N = max(pos) − min(pos) + 1: ``scheme.bias`` of queries at n against a key at 0 → (H, N), in ``dtype``
+    or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any kernel)."""
+    n = torch.arange(int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
+    return scheme.bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
+
+
+def _distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """i − j of broadcastable int positions, future keys (negative) as 0: the table's column (the mask hides them)."""
+    return (q_pos - k_pos).clamp(0, table.shape[-1] - 1)
+
+
 def dense_mask(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, s: int, e: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
     """Bias plus causal mask of queries s…e−1 against keys 0…e−1: (H, e − s, e) in ``dtype``, −inf where the
-    key comes after the query (by index). The bias is ``scheme.score_mod`` at score 0 on broadcast positions."""
-    heads = torch.arange(n_head, device=pos.device)[:, None, None]  # (H, 1, 1)
-    zero = torch.zeros((), dtype=dtype, device=pos.device)
-    bias = scheme.score_mod(zero, heads, pos[s:e, None][None], pos[:e][None, None])  # (H, e-s, e)
+    key comes after the query (by index). The bias is ``scheme.bias`` of those positions, or, for a
+    ``distance_table`` scheme, its :func:`distance_table` (``table``, or built here) indexed by i − j."""
+    if scheme.distance_table:
+        table = distance_table(scheme, pos, dtype) if table is None else table  # (H, N)
+        bias = table[:, _distances(table, pos[s:e, None], pos[None, :e])]  # (H, e-s, e)
+    else:
+        bias = scheme.bias(pos[s:e], pos[:e], dtype)  # (H, e-s, e)
     future = torch.arange(e, device=pos.device)[None, :] > torch.arange(s, e, device=pos.device)[:, None]  # (e-s, e)
     return bias.masked_fill(future, float("-inf")).to(dtype).expand(n_head, e - s, e)
 
@@ -247,7 +282,8 @@ def _dense(q, k, v, ctx: Context) -> torch.Tensor:
     H, T = q.shape[1], q.shape[2]
     out = []
     for i, (s, e) in enumerate(ctx.blocks if ctx.kernel == "dense" else _dense_blocks(T, H)):
-        mask = ctx.masks[i] if ctx.masks else dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype)  # (H, e-s, e)
+        table = ctx.table if ctx.scheme.distance_table else None  # (a flex context's (H, T, T) bias is not one)
+        mask = ctx.masks[i] if ctx.masks else dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, table)  # (H, e-s, e)
         out.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], dropout_p=ctx.dropout,
                                                   attn_mask=mask.to(q.dtype)[None]))  # (B, H, e-s, Dh)
         # (a 4-D mask: SDPA's fused CPU kernel refuses a 3-D one and falls back to materialising the scores)
@@ -257,9 +293,11 @@ def _dense(q, k, v, ctx: Context) -> torch.Tensor:
 # ---- contextual: a bias the scheme computes from the queries and their scores, one block of queries at a time -----
 
 
-def contextual_blocks(B: int, H: int, T: int) -> list[tuple[int, int]]:
-    """Query blocks (start, end) whose scores (B, H, end − start, ≤ T) fit in :data:`CONTEXT_ELEMENTS`."""
-    per_block = max(1, CONTEXT_ELEMENTS // (B * H * T))
+def contextual_blocks(B: int, H: int, T: int, device: str = "cpu") -> list[tuple[int, int]]:
+    """Query blocks (start, end) whose scores (B, H, end − start, ≤ T) fit in :data:`CONTEXT_ELEMENTS`
+    (:data:`CONTEXT_ELEMENTS_CUDA` when ``device`` is ``cuda``)."""
+    budget = CONTEXT_ELEMENTS_CUDA if device == "cuda" else CONTEXT_ELEMENTS
+    per_block = max(1, budget // (B * H * T))
     return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
 
 
@@ -267,7 +305,7 @@ def _contextual(q, k, v, ctx: Context) -> torch.Tensor:
     """softmax(q·kᵀ/√Dh + ``ctx.scheme.contextual_bias``, later keys masked) · v, per query block [s, e) against
     keys 0…e−1 (:func:`_contextual_block`)."""
     B, H, T, Dh = q.shape
-    out = [_contextual_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], s, ctx) for s, e in contextual_blocks(B, H, T)]
+    out = [_contextual_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], s, ctx) for s, e in contextual_blocks(B, H, T, q.device.type)]
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 
@@ -289,6 +327,31 @@ def _contextual_block(q, k, v, s: int, ctx: Context) -> torch.Tensor:
 
 _compiled_flex = None
 _block_masks: dict[tuple[int, str], object] = {}
+FLEX_VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
+
+
+def _flex_score_mod(scheme: PositionalScheme, pos: torch.Tensor, table: torch.Tensor | None):
+    """The score_mod of a flex context, Flex's signature (score, b, h, q_idx, kv_idx), positions ``pos`` (T,) looked
+    up from the indices: ``table`` (H, N) indexed by i − j, or (H, T, T) by the indices; without one, the scheme's
+    own pointwise ``score_mod``. A table's score_mod captures tensors only, so a new model or layer with the same
+    shapes reuses the compiled kernel."""
+    if table is None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return scheme.score_mod(score, h, pos[q_idx], pos[kv_idx]).to(score.dtype)
+    elif table.dim() == 2:
+        def score_mod(score, b, h, q_idx, kv_idx):  # the bias of distance i − j
+            return score + table[h, _distances(table, pos[q_idx], pos[kv_idx])].to(score.dtype)
+    else:
+        def score_mod(score, b, h, q_idx, kv_idx):  # the bias of query q_idx and key kv_idx
+            return score + table[h, q_idx, kv_idx].to(score.dtype)
+    return score_mod
+
+
+def reset_compiled() -> None:
+    """Drop every compiled kernel and cached BlockMask of this process (Dynamo's caches included): between two jobs
+    of one process (a sweep without joblib, a joblib worker), so that the next job compiles for itself."""
+    torch._dynamo.reset()
+    _block_masks.clear()
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -310,12 +373,21 @@ def _flex_attend(q, k, v, ctx: Context) -> torch.Tensor:
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     if q.device.type != "cpu":
-        return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)  # (B, H, T, Dh)
+        return _run_flex(q, k, v, ctx)  # (B, H, T, Dh)
     if _flex_cpu_works:
         try:
-            return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)
+            return _run_flex(q, k, v, ctx)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise
         except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, once, with the reason
             _flex_cpu_works = False
             log.warning("FlexAttention does not compile on this CPU (%s: %s); using the dense attention kernel",
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     return _dense(q, k, v, ctx)
+
+
+def _run_flex(q, k, v, ctx: Context) -> torch.Tensor:
+    """The compiled flex_attention call, under a recompile limit of :data:`FLEX_VARIANTS` that raises when reached:
+    past Dynamo's limit it would run Flex's eager form, which materialises every (B, H, T, T) score."""
+    with torch._dynamo.config.patch(recompile_limit=FLEX_VARIANTS, fail_on_recompile_limit_hit=True):
+        return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)  # (B, H, T, Dh)

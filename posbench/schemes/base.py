@@ -65,6 +65,13 @@ class PositionalScheme(nn.Module):
             b(h, i, j) = b(h, c, j) + (a term that depends on i alone), and softmax ignores a term constant
             across a query's row, so the key-only bias ``score_mod(0, h, c, k_pos)`` gives the same
             attention; the kernel may fold it into one extra head dimension of q and k.
+        distance_table: the bias is a function of the head and the distance i − j alone (T5, KERPLE, Sandwich), and
+            costlier than a table lookup: the kernels evaluate it once per forward pass on every distance the window
+            holds, as an (H, N) table (:meth:`bias` of distances 0…N−1 against key position 0), and index that table
+            with i − j, inside FlexAttention as in the dense kernel. Flex's backward then adds each score's gradient
+            into the table's H·N entries, where indexing the parameters themselves in ``score_mod`` would contend for
+            a few addresses or (an MLP's weights indexed once per hidden unit) not compile at all. False here, and for
+            ALiBi, whose bias is one multiply.
         weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
         fine_tune_options: the options a run started from this scheme's trained weights (``init_from``,
             posbench/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
@@ -78,6 +85,7 @@ class PositionalScheme(nn.Module):
 
     has_bias: bool = False
     key_only_bias: bool = False
+    distance_table: bool = False
     contextual: bool = False
     weight_decay: bool = False
     fine_tune_options: tuple[str, ...] = ()  # options a run started from this scheme's weights may change (init_from)
@@ -186,6 +194,18 @@ class PositionalScheme(nn.Module):
         A scheme that overrides it sets ``has_bias = True``. Learned parameters used here get gradients.
         """
         return score
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The bias of queries at positions ``q_pos`` (Tq,) against keys at ``k_pos`` (Tk,), both int64 →
+        (H, Tq, Tk), future keys included (the attention masks them), computed as the scores are: at least in
+        ``dtype`` (float64 in a reference computation; the caller casts).
+        Here :meth:`score_mod` at score 0 on broadcast positions; a scheme with a faster vectorised form of the same
+        bias (FIRE's MLP as one matmul) overrides it. The dense kernel builds its mask blocks from it, and the
+        per-distance table of a ``distance_table`` scheme is its row against key position 0."""
+        heads = torch.arange(self.n_head, device=q_pos.device)[:, None, None]  # (H, 1, 1)
+        zero = torch.zeros((), dtype=dtype, device=q_pos.device)
+        bias = self.score_mod(zero, heads, q_pos[None, :, None], k_pos[None, None, :])  # (H, Tq, Tk) or broadcastable
+        return bias.expand(self.n_head, q_pos.numel(), k_pos.numel())
 
     def contextual_bias(self, q: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The bias a contextual scheme adds to the scores of one block of queries, before the softmax: zeros here.

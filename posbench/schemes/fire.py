@@ -2,8 +2,9 @@
 for relative positions"; registered as ``fire``.
 
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
-``score_mod`` adds the MLP's output for head h. The hidden layer is unrolled in Python (a sum of ``mlp_width``
-pointwise terms), so FlexAttention's 0-d calls and the dense kernel's broadcast calls take the same code. The bias
+``score_mod`` adds the MLP's output for head h, its hidden layer unrolled in Python (a sum of ``mlp_width`` pointwise
+terms) for FlexAttention's 0-d calls; ``bias`` computes the same bias for blocks of (query, key) pairs as matmuls,
+for the dense kernel and for the (H, T, T) table through which Flex trains it (one indexing op). The bias
 depends on i, not only on i − j. Its parameters are initialised here (the model does not re-initialise
 ``scheme.*``). As its reference code, FIRE is built once per attention layer with its threshold starting at 512
 (``per_layer=true``, ``threshold=512``); ``per_layer=false threshold=null`` is posbench's earlier FIRE (one for
@@ -43,10 +44,9 @@ class Fire(PositionalScheme):
     c starts at ``init_c`` (0.1, the paper's); the MLP has PyTorch's default Linear initialisation, as the paper's
     code. i is the query's position as the model gives it (0 … T−1 from the window start by default), so the bias
     depends on i as well as on i − j: FIRE is not translation-invariant. The hidden layer is unrolled in
-    ``score_mod`` (a sum of ``mlp_width`` pointwise terms), so FlexAttention's 0-d calls and the dense kernel run
-    the same code. ``per_layer`` (default true): the model holds one FIRE per attention layer, each with its own
-    c, L_thr and MLP, as the reference code builds one in every attention layer; false shares one across layers,
-    as KERPLE's and T5's reference code share theirs.
+    ``score_mod`` (a sum of ``mlp_width`` pointwise terms) and a matmul in ``bias``. ``per_layer`` (default
+    true): the model holds one FIRE per attention layer, each with its own c, L_thr and MLP, as the reference code
+    builds one in every attention layer; false shares one across layers, as KERPLE's and T5's reference code do.
     """
 
     has_bias = True
@@ -55,6 +55,7 @@ class Fire(PositionalScheme):
     # scheme, not per tensor.
     weight_decay = False
     EPS = 1e-6  # the paper's code: added to the normaliser ψ(max(L_thr, i))
+    HIDDEN_ELEMENTS = 1 << 22  # bias(): largest hidden layer (rows · keys · mlp_width floats) built at once without grad
 
     @dataclasses.dataclass
     class Config(PositionalScheme.Config):
@@ -91,16 +92,29 @@ class Fire(PositionalScheme):
         self.c = nn.Parameter(torch.tensor(float(self.config.init_c)))  # ()
         self.multiplier = nn.Parameter(torch.tensor(1.0))  # (): L_thr = |multiplier · threshold|
 
-    def score_mod(self, score, h, q_pos, k_pos):
+    def mlp_input(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """x = ψ(i − j) / ψ(max(L_thr, i)) for broadcastable int positions (0-d under Flex), in the parameters'
+        dtype: f_θ's input."""
         c = self.c
-        i = q_pos.to(c.dtype)
         limit = (self.multiplier * self.config.threshold).abs()  # L_thr, ()
-        rel = torch.log1p((c * (q_pos - k_pos).to(c.dtype)).abs())  # ψ(i − j): (1, Tq, Tk) dense; 0-d under Flex
-        norm = torch.log1p((c * torch.maximum(i, limit)).abs()) + self.EPS  # ψ(max(L_thr, i)): (1, Tq, 1)
-        x = rel / norm  # (1, Tq, Tk)
+        rel = torch.log1p((c * (q_pos - k_pos).to(c.dtype)).abs())  # ψ(i − j)
+        norm = torch.log1p((c * torch.maximum(q_pos.to(c.dtype), limit)).abs()) + self.EPS  # ψ(max(L_thr, i))
+        return rel / norm
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        x = self.mlp_input(q_pos, k_pos)  # (1, Tq, Tk) dense; 0-d under Flex
         w1, b1 = self.mlp[0].weight[:, 0], self.mlp[0].bias  # (W,), (W,)
         w2, b2 = self.mlp[2].weight, self.mlp[2].bias  # (H, W), (H,)
         out = b2[h]  # (H, 1, 1)
         for u in range(w1.shape[0]):  # f_θ(x)[h] = b2[h] + Σ_u W2[h, u]·relu(W1[u]·x + b1[u])
             out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])  # (H, Tq, Tk)
         return score + out
+
+    def bias(self, q_pos, k_pos, dtype=torch.float32):
+        """f_θ(x) for every (query, key) pair as matmuls, (H, Tq, Tk): the same bias as :meth:`score_mod`'s unrolled
+        sum up to float rounding (another order of the sum), in far fewer operations; rows in chunks whose hidden
+        layer (rows, Tk, W) stays within :data:`HIDDEN_ELEMENTS` floats when no gradient is taken."""
+        x = self.mlp_input(q_pos[:, None], k_pos[None, :])  # (Tq, Tk)
+        rows = x.shape[0] if torch.is_grad_enabled() else max(1, self.HIDDEN_ELEMENTS // (x.shape[1] * self.config.mlp_width))
+        out = [self.mlp(chunk[..., None]).permute(2, 0, 1) for chunk in x.split(rows)]  # (H, rows, Tk) each
+        return torch.cat(out, dim=1)  # (H, Tq, Tk)

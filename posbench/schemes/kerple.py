@@ -45,6 +45,7 @@ class _Kerple(PositionalScheme):
     """
 
     has_bias = True
+    distance_table = True  # the kernels look the bias up by i − j in an (H, N) table built once per forward pass
     # Not decayed: θ = 0 is no prior (it is r = log 2 or r₂ = 1); decay would pull every head's kernel towards
     # an arbitrary one. Four scalars per head (two here) are positional hyperparameters, not capacity.
     weight_decay = False

@@ -2,8 +2,9 @@
 positions, compressed per head as ALiBi's slopes are; registered as ``sandwich``.
 
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
-``score_mod`` adds the bias; its sum over the d̄/2 cosines is unrolled in Python, so FlexAttention's 0-d calls and
-the dense kernel's broadcast calls take the same code. Not key-only: it runs through the same kernels as T5's.
+``score_mod`` adds the bias; its sum over the d̄/2 cosines is unrolled in Python. The kernels evaluate it once per
+forward pass per distance (``distance_table``) and look it up by i − j. Not key-only: it runs through the same
+kernels as T5's.
 
     from posbench.schemes import build_scheme
     sandwich = build_scheme("sandwich", d_model=128, n_head=4)
@@ -39,6 +40,7 @@ class Sandwich(PositionalScheme):
     """
 
     has_bias = True
+    distance_table = True  # the kernels look the bias up by i − j in an (H, N) table built once per forward pass
     weight_decay = False  # no parameters
 
     @dataclasses.dataclass

@@ -4,7 +4,7 @@ as ``t5``.
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
 ``score_mod`` adds w[bucket(i − j), h]. The bias is not key-only, so on CPU it trains through the dense kernel and
 evaluates through FlexAttention (or the dense kernel where Flex does not compile); on CUDA it runs FlexAttention.
-``score_mod`` only indexes small tables, so Flex's 0-d calls and the dense kernel's broadcast calls take the same code.
+Every kernel looks the bias up by i − j in a per-distance table built once per forward pass (``distance_table``).
 
     from posbench.schemes import build_scheme
     t5 = build_scheme("t5", d_model=128, n_head=4, num_buckets=32, max_distance=128)
@@ -51,6 +51,7 @@ class T5Bias(PositionalScheme):
     """
 
     has_bias = True
+    distance_table = True  # the kernels look the bias up by i − j in an (H, N) table built once per forward pass
     # Not decayed: the table is B·H scalars that *are* the positional prior (like ALiBi's slopes, not a weight
     # matrix); decay would pull every distance towards a flat bias. T5 itself trained with AdaFactor, no decay.
     weight_decay = False
