@@ -92,7 +92,8 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
         else:
             scheme = SCHEMES[name](m["d_model"], m["n_head"], config)
     return GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
-               scale_embeddings=m["scale_embeddings"], attn_scale=m["attn_scale"], scale_length=m["scale_length"])
+               scale_embeddings=m["scale_embeddings"], attn_scale=m["attn_scale"], scale_length=m["scale_length"],
+               attn_dropout=m["attn_dropout"])
 
 
 def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:

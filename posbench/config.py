@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import context, passkey
 from posbench.attention import ATTN_SCALES
+from posbench.device import resolve_device
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")
@@ -45,7 +46,8 @@ class ModelConfig:
     n_head: int = 4
     d_model: int = 128
     d_ff: int = 512
-    dropout: float = 0.0
+    dropout: float = 0.0  # residual and embedding dropout, 0 <= p < 1
+    attn_dropout: float = 0.0  # attention-probability dropout, 0 <= p < 1 (any > 0 moves bias schemes off Flex on CUDA)
     scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
     attn_scale: str = "none"  # none | log_n | ssmax: queries × a factor of the keys they see (posbench/model.py GPT)
     scale_length: Optional[int] = None  # L of log_n's ln n / ln L; None = the train length (log_n only)
@@ -93,7 +95,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between training checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest training checkpoints kept
     check_memory: bool = True  # refuse a run whose estimated step memory exceeds what the device has free
-    compile: bool = False  # torch.compile the model (no gain seen on CPU; falls back to eager on failure)
+    compile: Optional[bool] = None  # torch.compile the model; None = on CUDA, off on CPU (eager on failure)
     random_positions: Optional[int] = None  # M: train on sorted random positions from [0, M) (Ruoss et al. 2023)
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
@@ -315,7 +317,8 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
     ``prepare`` (posbench/train_job.py, posbench/eval_job.py), before any data is read or any step is trained.
 
-    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4) and the scheme's options: ``cfg.scheme`` is read into the
+    Derived: ``eval.lengths`` (None → L·2^k for k = 0…4), when ``training`` ``train.compile`` (None → whether the
+    run's device is CUDA: :func:`compile_default`), and the scheme's options: ``cfg.scheme`` is read into the
     scheme's ``Config``, whose ``resolve(L, longest)`` fills and checks them (the learned scheme's
     ``max_positions``: None → 16·L, never derived from ``eval.*``, so the model, its initialisation included, does
     not depend on how it will be evaluated), and the resolved values are written back into ``cfg.scheme``.
@@ -330,8 +333,9 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
             ``eval.lengths``, heads that do not divide the width, an unknown scheme (the message lists the
             registered names), a scheme option the scheme lacks or its ``resolve`` refuses (the message
             starts ``scheme.<option>=<value>``, e.g. a learned table smaller than the longest length),
-            protocol or split, an unknown ``model.attn_scale`` or a ``model.scale_length`` < 2 or given without
-            ``log_n``, ``train.random_positions`` below L or for a scheme that reads no positions, a stride outside 1…min(lengths), ``train.steps=0`` without ``init_from`` (0 steps:
+            protocol or split, ``model.dropout`` or ``model.attn_dropout`` outside [0, 1), an unknown
+            ``model.attn_scale`` or a ``model.scale_length`` < 2 or given without ``log_n``,
+            ``train.random_positions`` below L or for a scheme that reads no positions, a stride outside 1…min(lengths), ``train.steps=0`` without ``init_from`` (0 steps:
             a parent evaluated as it is), ``init_rows`` not in :data:`INIT_ROWS`, optimizer values that would break training
             (lr ≤ 0, min_lr outside 0…lr, weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or, when
             ``training`` (a training job, not a re-evaluation of a recorded config), ``train.device=cuda`` on a
@@ -362,10 +366,12 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
     if (m.d_model // m.n_head) % 2:
         raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    _dropouts(m)
     _attention_scaling(m, trained_length or t.seq_len)
     _optimizer_values(t)
     if training:  # (posbench eval reads a run's recorded train.device, which need not exist on this machine)
         check_device("train.device", t.device)
+        t.compile = compile_default(t.compile, t.device)
     _eval_values(cfg.eval, t.seq_len)
     if cfg.resume not in ("auto", "never"):
         raise ConfigError(f"resume={cfg.resume!r} is unknown; choose auto or never")
@@ -404,6 +410,19 @@ def _curriculum(d: DictConfig) -> None:
     if not 0 < d.copy_until <= 1:
         raise ConfigError(f"data.copy_until={d.copy_until} is not allowed: it is the fraction of train.steps at which "
                           "copy windows end, in (0, 1]")
+
+
+def compile_default(setting: bool | None, device: str) -> bool:
+    """``train.compile`` as a run on ``device`` (a checked ``train.device``: auto, cpu, cuda[:n]) uses it: the
+    ``setting`` when given, else (None) True where the device is CUDA and False on the CPU."""
+    return setting if setting is not None else resolve_device(device).type == "cuda"
+
+
+def _dropouts(m: DictConfig) -> None:
+    """Check ``model.dropout`` (residual and embedding) and ``model.attn_dropout`` (attention probabilities)."""
+    for key in ("dropout", "attn_dropout"):
+        if not 0 <= m[key] < 1:  # (NaN fails it too)
+            raise ConfigError(f"model.{key}={m[key]} is not allowed: it is a dropout probability, 0 <= p < 1")
 
 
 def _attention_scaling(m: DictConfig, seq_len: int) -> None:

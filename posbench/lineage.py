@@ -8,8 +8,8 @@ The new run's model starts from the parent's weights; its optimizer, schedule an
 ``train.*`` and scheme options are its own. The rules (docs/design.md §5.6), each checked by :func:`check_config`
 and :func:`check` before anything is written:
 
-* every weight outside the scheme fits exactly: the same ``model.*`` sizes (dropout may differ), vocabulary and
-  tokenizer (the tokenizer file's SHA-256);
+* every weight outside the scheme fits exactly: the same ``model.*`` sizes (dropout and attention dropout may
+  differ), vocabulary and tokenizer (the tokenizer file's SHA-256);
 * the scheme keeps its name, and its options are the parent's except those its class lists as
   ``fine_tune_options`` (RoPE's ``base``, ``scaling``, ``factor``, ``original_length``, YaRN's ramp; the learned
   table's size, which may grow: ``init_rows``); or it changes as :data:`SCHEME_CHANGES` allows: RoPE → NoPE,
@@ -39,7 +39,7 @@ from posbench.results import run_label
 from posbench.schemes import SCHEMES
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
-FREE_MODEL_KEYS = ("dropout",)  # model.* a fine-tune may change: no weight depends on it
+FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
 log = logging.getLogger("posbench")
 
 

@@ -25,7 +25,10 @@ b = ``dtype_bytes``; every figure is in bytes):
   4·a·s²·b bytes in fp32; this count has 19·sbh values (F = 4·D: 76·sbh bytes; the three more are the rotated
   q and k and SDPA's output beside its reshaped copy) and the a·s²·b of the dense kernel's probabilities below.
 * attention, what the kernel keeps per layer beyond that (posbench/attention.py):
-  ``causal`` and ``flex``: the fused kernels' log-sum-exp, B·H·T float32 values.
+  ``causal`` and ``flex``: the fused kernels' log-sum-exp, B·H·T float32 values. Training through ``flex`` a
+  learned bias of i and j that has no per-distance table (FIRE) adds, per scheme instance, its per-pair table
+  (H, T, T) and that table's gradient, and what building it keeps for backward, measured on one small block as
+  for ``dense`` below: T²·(2·H + pairs' graph) float32 values.
   ``folded`` (training): q' and v' with the extra dimension, the outputs, and each query block's own key
   copy k' of the keys before it: B·H·(Dh + 1)·(3·T + Σ_blocks end) values, quadratic in T: Σ end ≈ T²/512.
   ``dense``: the bias blocks (H, Q, end) hold Σ_blocks Q·end ≈ T²/2 "pairs". When the bias needs a gradient
@@ -35,7 +38,7 @@ b = ``dtype_bytes``; every figure is in bytes):
   bias keeps what its ops save, measured here per pair by building one small block under
   ``saved_tensors_hooks`` (once per forward pass when the whole mask fits in ``BIAS_ELEMENTS``, else once per
   layer). A bias without gradient (Sandwich) goes to SDPA's fused kernel, which keeps the mask blocks themselves
-  (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with dropout, a fused kernel may take the
+  (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with attention dropout, a fused kernel may take the
   learned bias too, and this part then overcounts.) A per-layer scheme (``per_layer``: FIRE's default) has one
   set of masks and one bias graph per layer, all alive through the forward pass: × n_layer when built once.
   Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
@@ -92,8 +95,8 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_byt
                training: bool = True, device: torch.device | str | None = None) -> dict[str, int]:
     """The estimated peak memory, in bytes, of one training step (forward, loss, backward, AdamW step) or, with
     ``training=False``, of one evaluation forward pass of the model ``spec`` describes, on a batch of
-    ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) on ``device`` (only
-    the logits depend on it: None counts CUDA's, the larger). See the module docstring for what each part counts.
+    ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) on ``device`` (the
+    logits and the contextual kernel's blocks depend on it: None counts CUDA's logits, the larger, and CPU blocks). See the module docstring for what each part counts.
     Returns {"weights", "optimizer", "activations", "attention", "logits", "total"} in bytes."""
     m = _model_sizes(spec)
     params = parameter_count(spec, seq_len)
@@ -101,7 +104,7 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_byt
         "weights": params * dtype_bytes,
         "optimizer": 3 * params * dtype_bytes if training else 0,  # gradients, AdamW's exp_avg and exp_avg_sq
         "activations": _activation_bytes(m, batch_size, seq_len, dtype_bytes, training),
-        "attention": _attention_bytes(spec, m, batch_size, seq_len, kernel, dtype_bytes, training),
+        "attention": _attention_bytes(spec, m, batch_size, seq_len, kernel, dtype_bytes, training, device),
         "logits": _logit_bytes(batch_size * seq_len, spec["vocab_size"], device, dtype_bytes, training),
     }
     parts["total"] = sum(parts.values())
@@ -109,13 +112,17 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_byt
 
 
 def available_bytes(device: torch.device | str) -> tuple[int, str]:
-    """(bytes ``device`` can give a run now, what was measured). CUDA: the free bytes of
-    ``torch.cuda.mem_get_info``. Any other device uses host memory: MemAvailable of /proc/meminfo (physical
-    memory from ``os.sysconf`` where there is none), or a cgroup's remaining limit where that is smaller."""
+    """(bytes ``device`` can give a run now, what was measured). CUDA: the free bytes of ``torch.cuda.mem_get_info``
+    plus what this process's caching allocator holds reserved but unallocated (``memory_reserved`` −
+    ``memory_allocated``), which ``mem_get_info`` counts as used although this process can reuse it: a process that
+    ran an earlier job (a joblib worker, a sweep's later job) keeps its blocks cached. Any other device uses host
+    memory: MemAvailable of /proc/meminfo (physical memory from ``os.sysconf`` where there is none), or a cgroup's
+    remaining limit where that is smaller."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's, reusable
+        return int(free + cached), f"free memory of {device} (torch.cuda.mem_get_info, plus the allocator's cache)"
     host = _meminfo_available() or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
     limit = _cgroup_free()
     return limit if limit and limit[0] < host[0] else host
@@ -142,8 +149,9 @@ def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str, device: t
 
 def kernel_for(scheme_name: str, device: torch.device | str, training: bool, dropout: float = 0.0) -> str:
     """The attention kernel ``posbench.attention.choose_kernel`` picks for the scheme registered as
-    ``scheme_name`` on ``device``, training (gradients on, CUDA under bfloat16 autocast) or evaluating (float32,
-    no dropout). It reads the scheme's class attributes only, so no scheme is built."""
+    ``scheme_name`` on ``device``, training (gradients on, CUDA under bfloat16 autocast, attention dropout
+    ``dropout``: ``model.attn_dropout``, not the residual ``model.dropout``) or evaluating (float32, no dropout). It
+    reads the scheme's class attributes only, so no scheme is built."""
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" and training else torch.float32
     return attention.choose_kernel(SCHEMES[scheme_name], device, dtype, dropout if training else 0.0, training)
@@ -179,10 +187,15 @@ def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
     return 2 * N * V * LOGIT_BYTES  # (N, V): log_softmax's output and the float32 logits (their gradient)
 
 
-def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool) -> int:
+def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device=None) -> int:
     """The kernel's own part, per the module docstring."""
     L, H, D = m["n_layer"], m["n_head"], m["d_model"]
     lse = B * H * T * LSE_BYTES  # (B, H, T) per layer
+    if kernel == "flex" and training and not SCHEMES[_scheme_name(spec)].distance_table:
+        per_pair, learned = _bias_graph(spec, m, T)
+        if learned:  # attention.context builds the per-pair table (H, T, T) of each scheme instance (FIRE)
+            copies = L if _per_layer(spec) else 1
+            return L * lse + int(copies * T * T * (2 * H * 4 + per_pair))  # table, its gradient, its graph
     if kernel in ("causal", "flex"):
         return L * lse if training else lse
     if kernel == "folded":
@@ -194,7 +207,7 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training)
     if kernel == "contextual":
-        return _contextual_bytes(spec, m, B, T, training)
+        return _contextual_bytes(spec, m, B, T, training, device)
     raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(attention.KERNELS)}")
 
 
@@ -217,11 +230,11 @@ def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool) ->
     return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
 
 
-def _contextual_bytes(spec: dict, m: dict, B: int, T: int, training: bool) -> int:
+def _contextual_bytes(spec: dict, m: dict, B: int, T: int, training: bool, device=None) -> int:
     """Contextual kernel: per layer what autograd keeps per (query, key) pair and per query (training), plus one
     block's temporaries."""
     H = m["n_head"]
-    blocks = attention.contextual_blocks(B, H, T)  # [(start, end)]
+    blocks = attention.contextual_blocks(B, H, T, "cpu" if device is None else torch.device(device).type)  # [(start, end)]
     pairs = B * H * sum((e - s) * e for s, e in blocks)  # scores of all blocks: Σ B·H·Q·end
     block = B * H * max((e - s) * e for s, e in blocks)  # the largest block's scores
     per_pair, per_query = _contextual_saved(spec, m, T)

@@ -119,7 +119,7 @@ class GPT(nn.Module):
     Args:
         vocab_size: V, tokens in the vocabulary.
         n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
-        dropout: dropout probability on residual branches (0 disables it).
+        dropout: dropout probability on the embeddings and the residual branches (0 disables it).
         scheme: the positional scheme, shared by all layers; or a list of ``n_layer`` schemes of one class, one per
             layer (a scheme whose reference builds one per attention layer: ``scheme.per_layer``, FIRE's and CoPE's;
             posbench.build.build_model makes them). Registered as ``self.scheme``: the scheme itself (state-dict keys
@@ -137,10 +137,13 @@ class GPT(nn.Module):
             "Scalable-Softmax Is Superior for Attention", arXiv:2501.19399: SSMax(z)_i = n^(s·z_i) / Σ_j n^(s·z_j),
             i.e. softmax(s·ln n · z)).
         scale_length: L of ``log_n`` (the train length), an int >= 2; unused otherwise.
+        attn_dropout: dropout probability on the attention probabilities, in [0, 1), in training mode only (0
+            disables it). Any attention dropout moves a bias scheme off FlexAttention on CUDA, which has none
+            (``attention.choose_kernel``).
     Raises:
         ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not ``n_layer`` long, of several classes,
             or of a class that embeds positions (it would add them once, before the first layer); an unknown
-            ``attn_scale``; ``log_n`` without a ``scale_length`` >= 2.
+            ``attn_scale``; ``log_n`` without a ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
     by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them.
@@ -148,7 +151,7 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
                  scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
-                 attn_scale: str = "none", scale_length: int | None = None):
+                 attn_scale: str = "none", scale_length: int | None = None, attn_dropout: float = 0.0):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
@@ -156,6 +159,8 @@ class GPT(nn.Module):
             raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(attention.ATTN_SCALES)}")
         if attn_scale == "log_n" and not (isinstance(scale_length, int) and scale_length >= 2):
             raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
+        if not 0 <= attn_dropout < 1:
+            raise ValueError(f"attn_dropout={attn_dropout!r} is not a dropout probability, 0 <= p < 1")
         per_layer = isinstance(scheme, (list, tuple))
         kinds = {type(s) for s in scheme} if per_layer else {type(scheme)}
         if per_layer and (len(scheme) != n_layer or len(kinds) != 1):
@@ -165,7 +170,7 @@ class GPT(nn.Module):
             raise ValueError(f"{type(scheme[0]).__name__} adds positions to the embeddings, once: it cannot "
                              "be built per layer")
         self.scheme = nn.ModuleList(scheme) if per_layer else scheme
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head, self.attn_dropout = n_head, attn_dropout
         self.attn_scale, self.scale_length = attn_scale, scale_length
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -206,7 +211,7 @@ class GPT(nn.Module):
         layers = self.layer_schemes
         x = self.drop(layers[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
         # once per pass and scheme instance (every layer's, or each layer's own): kernel, rotation tables, bias blocks
-        dropout = self.dropout if self.training else 0.0
+        dropout = self.attn_dropout if self.training else 0.0  # of the attention probabilities
         contexts = {id(s): attention.context(s, pos, self.n_head, x.dtype, dropout) for _, s in self.scheme_parts()}
         log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
         for block, scheme in zip(self.blocks, layers):

@@ -105,8 +105,9 @@ def check_memory(job: TrainJob) -> None:
     device = torch.device(dist.device_of(str(resolve_device(t.device))))
     longest = longest_length(e)
     try:
-        memory.check_fits(job.spec, t.batch_size, t.seq_len, memory.kernel_for(job.spec["scheme"]["name"], device, True,
-                          job.config.model.dropout), device, f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
+        kernel = memory.kernel_for(job.spec["scheme"]["name"], device, True, job.config.model.attn_dropout)
+        memory.check_fits(job.spec, t.batch_size, t.seq_len, kernel, device,
+                          f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
         memory.check_fits(job.spec, max(1, e.batch_tokens // longest), longest, memory.kernel_for(
             job.spec["scheme"]["name"], device, False), device, f"eval.lengths (up to {longest}) × eval.batch_tokens="
             f"{e.batch_tokens}", training=False)

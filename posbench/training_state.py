@@ -26,7 +26,8 @@ from posbench.config import ConfigError, to_dict
 
 log = logging.getLogger("posbench")
 RESUMABLE = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.threads", "train.sync_every",
-             "train.device", "train.check_memory", "data.cache_dir", "eval.", "wandb.", "resume")  # keys a resumed run may change
+             "train.device", "train.compile", "train.check_memory", "data.cache_dir", "eval.", "wandb.",
+             "resume")  # keys a resumed run may change (train.compile: how the same model runs, as train.device)
 
 
 NEEDLE_KEYS = ("eval.passkey.keys", "eval.passkey.key_vocab", "eval.passkey.key_length", "eval.passkey.marker",

@@ -13,7 +13,10 @@ Every key a record lacks reads as its default, except where the default would mi
 * a recorded section of a scheme with a ``per_layer`` option (FIRE) but without the key was written when one
   instance served every layer: its ``per_layer`` reads as false (today's records hold every option);
 * a recorded ``eval.passkey`` without ``keys`` was written when keys were the frequent words: its ``keys`` reads as
-  ``frequent``.
+  ``frequent``;
+* a recorded model section (a config's or a spec's) without ``attn_dropout`` was written when ``model.dropout`` drove
+  the attention dropout too: its ``attn_dropout`` reads as its ``dropout``, so that the rebuilt model, and a resumed
+  run, trains as it did (resuming it with today's ``attn_dropout`` default, 0, is refused as a changed key).
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def scheme_section(scheme: dict, fmt: int | None = None) -> dict:
 
 def model_section(model: dict) -> dict:
     """A recorded spec's model section with every key of today's ``ModelConfig`` (but ``name``) it lacks at its default
-    (``attn_scale: none`` for a model from before the option: what it was); the one reader of a spec's model section
-    (posbench.build.build_model, posbench.memory). Returns a new dict."""
+    (``attn_scale: none`` for a model from before the option: what it was), but ``attn_dropout``, which reads as its
+    ``dropout`` (module docstring); the one reader of a spec's model section (posbench.build.build_model,
+    posbench.memory). Returns a new dict."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "name"}
-    return {**defaults, **model}
+    return {**defaults, "attn_dropout": model.get("dropout", defaults["dropout"]), **model}
 
 
 def upgrade(config: dict, fmt: int | None = None) -> dict:
@@ -79,6 +83,8 @@ def upgrade(config: dict, fmt: int | None = None) -> dict:
         probe.setdefault("keys", "frequent")
     if fmt is not None and fmt < 2 and isinstance(config.get("model"), dict):
         config["model"].setdefault("scale_embeddings", scheme["name"] == "sinusoidal")
+    if isinstance(config.get("model"), dict):  # recorded before model.attn_dropout: dropout drove the attention's too
+        config["model"].setdefault("attn_dropout", config["model"].get("dropout", ModelConfig.dropout))
     try:
         base = OmegaConf.structured(PosbenchConfig)
         base.scheme = OmegaConf.structured(scheme_schema(scheme["name"]))

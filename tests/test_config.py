@@ -8,12 +8,14 @@ import itertools
 from importlib.resources import files
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from posbench.cli import register
 from posbench.config import ConfigError, finalize
 from posbench.schemes import SCHEMES
+from posbench.training_state import changed_keys
 
 CONFIG_MODULE = "posbench.conf"
 GROUPS = ("scheme", "model", "data", "experiment", "debug")
@@ -159,6 +161,10 @@ def test_derived_defaults(hydra_ctx):
     (["scheme.base=0"], ["scheme.base=0", "> 0"]),
     (["scheme=sinusoidal", "scheme.base=-2"], ["scheme.base=-2", "> 0"]),
     (["+train.seqlen=3"], ["unknown config key", "train.seqlen"]),
+    (["model.dropout=1.0"], ["model.dropout=1.0", "0 <= p < 1"]),
+    (["model.attn_dropout=1.0"], ["model.attn_dropout=1.0", "0 <= p < 1"]),
+    (["model.attn_dropout=-0.1"], ["model.attn_dropout=-0.1", "0 <= p < 1"]),
+    (["model.attn_dropout=nan"], ["model.attn_dropout=nan", "0 <= p < 1"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and "=" in v[0] else None)
 def test_finalize_rejects(overrides, words, hydra_ctx):
     cfg = compose("train", overrides=overrides)
@@ -168,6 +174,27 @@ def test_finalize_rejects(overrides, words, hydra_ctx):
     assert "\n" not in message
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_train_compile_is_on_for_cuda_and_off_for_cpu_unless_given(hydra_ctx, monkeypatch):
+    """``train.compile`` null (the default) resolves, in the training job's config, to whether the run's device is
+    CUDA; true or false as given wins; a re-evaluation of a recorded config (``training=False``) leaves it."""
+    def compiled(*overrides, training=True):
+        return finalize(compose("train", overrides=list(overrides)), training=training).train.compile
+
+    assert compose("train").train.compile is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    assert compiled("train.device=cpu") is False and compiled("train.device=auto") is False
+    assert compiled("train.device=cpu", "train.compile=true") is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, as finalize and the trainer see it
+    assert compiled("train.device=cuda") is True and compiled("train.device=auto") is True
+    assert compiled("train.device=cuda:1") is True
+    assert compiled("train.device=cpu") is False
+    assert compiled("train.device=cuda", "train.compile=false") is False
+    assert compiled("train.device=cuda", training=False) is None
+    # how the same model runs, as train.device: a run trained on the CPU may resume on a GPU, compiled there
+    cpu, gpu = {"train": {"compile": False, "device": "cpu"}}, {"train": {"compile": True, "device": "cuda"}}
+    assert changed_keys(cpu, gpu) == []
 
 
 def test_the_zoo_sweeps_the_registry_itself(hydra_ctx, monkeypatch):

@@ -300,6 +300,29 @@ def test_joblib_preset_runs_as_many_jobs_as_gpus(monkeypatch):
     assert instantiate(cfg.hydra.launcher).joblib["n_jobs"] == 1  # no GPU: one job at a time
 
 
+def test_compare_gpu_runs_one_job_per_gpu_each_holding_its_gpu(monkeypatch, tmp_path):
+    """experiment=compare_gpu selects the joblib preset: as many jobs at a time as visible GPUs, and each job's entry
+    (``gpus.job_gpu`` of its Hydra node, which posbench/cli.py's task enters) holds one GPU, locked and alone visible;
+    hydra/launcher=basic still runs the jobs one after another, holding nothing."""
+    from hydra.utils import instantiate
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.setenv(gpus.LOCK_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = _compose(["experiment=compare_gpu"])
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "JoblibLauncher" and launcher.joblib["n_jobs"] == 3
+    assert cfg.model.name == "small" and cfg.train.seq_len == 512  # the experiment's own settings still apply
+    with gpus.job_gpu(cfg.hydra) as device:
+        assert device == "0" and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+        assert gpus._try_lock(tmp_path / "gpu-0.lock") is None  # leased: locked against every other job
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    basic = _compose(["experiment=compare_gpu", "hydra/launcher=basic"])
+    assert basic.hydra.launcher._target_.endswith("BasicLauncher")
+    with gpus.job_gpu(basic.hydra) as device:
+        assert device is None and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+
+
 class _Submitted(Exception):
     """Raised instead of calling sbatch; carries the script and the executor's requeue budget."""
 

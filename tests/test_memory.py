@@ -171,3 +171,70 @@ def test_kernel_for_follows_the_attention_module():
     assert memory.kernel_for("alibi", "cpu", True) == "folded"
     assert memory.kernel_for("t5", "cpu", True) == "dense"
     assert memory.kernel_for("t5", "cuda", True, dropout=0.1) == "dense"
+
+
+def test_residual_dropout_keeps_flexattention_and_attention_dropout_leaves_it(monkeypatch):
+    """The memory check of a CUDA run picks the kernel by ``model.attn_dropout``, not ``model.dropout``: ALiBi under
+    residual dropout alone keeps FlexAttention (as ``attention.choose_kernel`` picks it, from class attributes)."""
+    import types
+
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from posbench import attention, build, train_job
+    from posbench.cli import register
+    from posbench.config import finalize, to_dict
+    from posbench.schemes import SCHEMES
+
+    if attention.flex_attention is None:
+        pytest.skip("FlexAttention needs torch >= 2.5")
+    cuda = torch.device("cuda")
+    assert attention.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"
+    assert memory.kernel_for("alibi", "cuda", True, dropout=0.0) == "flex"
+    assert memory.kernel_for("alibi", "cuda", True, dropout=0.1) == "dense"
+    kernels = []  # (kernel, device) of each memory check
+
+    def check_fits(spec, batch_size, seq_len, kernel, device, *_, **__):
+        kernels.append((kernel, str(device)))
+
+    monkeypatch.setattr(memory, "check_fits", check_fits)
+    register()
+    for attn_dropout, kernel in ((0.0, "flex"), (0.1, "dense")):
+        with initialize_config_module("posbench.conf", version_base="1.3"):
+            cfg = finalize(compose("train", overrides=["scheme=alibi", "model.dropout=0.1",
+                                                       f"model.attn_dropout={attn_dropout}", "train.device=cpu"]))
+        cfg.train.device = "cuda"  # (finalize refuses cuda on a machine without it; the check only reads the name)
+        train_job.check_memory(types.SimpleNamespace(config=cfg, spec=build.spec(to_dict(cfg), V)))
+        assert kernels[-2:] == [(kernel, "cuda"), ("flex", "cuda")]  # the training step's; evaluation's never drops
+
+
+def test_available_cuda_memory_counts_the_allocator_s_cache_as_free(monkeypatch):
+    """``mem_get_info`` counts the blocks this process's caching allocator keeps reserved (an earlier job's, in a joblib
+    worker) as used; reserved but unallocated, they are free to this process."""
+    import torch
+
+    asked = []
+
+    def reading(value):
+        return lambda device=None: asked.append(device) or value
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", reading((3 * GiB, 80 * GiB)))  # (free, total)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", reading(10 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", reading(4 * GiB))
+    free, what = memory.available_bytes("cuda:1")
+    assert free == 3 * GiB + (10 - 4) * GiB and "cuda:1" in what
+    assert asked == [torch.device("cuda:1")] * 3  # every figure of the run's own device
+
+
+def test_training_fire_through_flex_counts_its_per_pair_tables():
+    """On CUDA FIRE trains through Flex with its bias of every (query, key) pair as a table (H, T, T) per layer (one
+    FIRE per layer): the estimate counts at least the table and its gradient per layer, growing as T², while T5
+    (a per-distance table of H·T values) adds nothing of the kind."""
+    model = {"n_layer": 3, "n_head": 4, "d_model": 64, "d_ff": 128}
+    fire, t5 = ({"scheme": {"name": name}, "model": model, "vocab_size": 256} for name in ("fire", "t5"))
+    assert memory.kernel_for("fire", "cuda", True) == "flex"
+    at = {T: memory.step_bytes(fire, 2, T, "flex", 2, True, "cuda")["attention"] for T in (256, 512)}
+    lse = 3 * 2 * 4 * 512 * memory.LSE_BYTES
+    assert at[512] - lse >= 3 * 512 * 512 * 2 * 4 * 4  # three layers' tables and their gradients, float32
+    assert 3.5 < (at[512] - lse) / (at[256] - lse / 2) < 4.5
+    assert memory.step_bytes(t5, 2, 512, "flex", 2, True, "cuda")["attention"] == lse

@@ -195,3 +195,33 @@ def test_tied_embeddings_and_width_check():
     assert model.head.weight is model.tok.weight
     with pytest.raises(ValueError):
         GPT(VOCAB, 1, 3, 32, 64, build_scheme("nope", 32, 3))
+
+
+# ---- dropout: residual (model.dropout) and attention (model.attn_dropout) ------------------------------------
+
+
+def test_attention_dropout_is_its_own_option(monkeypatch):
+    """``dropout`` drops the embeddings and residual branches only; ``attn_dropout`` alone reaches the attention
+    contexts (so a bias scheme keeps FlexAttention on CUDA under residual dropout), in training mode only."""
+    seen = []  # the dropout of every attention context made
+    real = attention.context
+
+    def spy(scheme, pos, n_head, dtype=torch.float32, dropout=0.0, kernel=None):
+        seen.append(dropout)
+        return real(scheme, pos, n_head, dtype, dropout, kernel)
+
+    monkeypatch.setattr(attention, "context", spy)
+    idx = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(0))
+    spec = {"vocab_size": VOCAB, "scheme": {"name": "alibi"},
+            "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.1, "attn_dropout": 0.0}}
+    residual = build_model(spec).train()
+    assert residual.drop.p == 0.1 and all(b.drop.p == 0.1 and b.mlp[3].p == 0.1 for b in residual.blocks)
+    residual(idx)
+    assert seen == [0.0]  # one shared scheme: one context, without attention dropout
+    both = build_model(spec, {"model": {"attn_dropout": 0.2}}).train()
+    both(idx)
+    assert seen[1:] == [0.2]
+    both.eval()(idx)
+    assert seen[2:] == [0.0]  # evaluation never drops
+    with pytest.raises(ValueError, match="attn_dropout=1.0"):
+        GPT(VOCAB, 1, 2, 32, 64, build_scheme("alibi", 32, 2), attn_dropout=1.0)

@@ -223,6 +223,33 @@ def test_a_yarn_checkpoint_from_before_the_ramp_option_rebuilds_the_paper_ramp(t
         assert not torch.equal(default(idx), trained(idx))
 
 
+def test_a_record_from_before_attn_dropout_reads_its_dropout(tmp_path):
+    """Before model.attn_dropout, model.dropout dropped the attention probabilities too: a checkpoint, training state
+    or results record without the key reads attn_dropout = dropout, so the rebuilt model, and a resumed run, is the
+    one trained (resuming it with today's default, 0, is a changed key); a record with the key keeps its own."""
+    from posbench.training_state import changed_keys
+    from posbench.upgrade import model_section
+
+    model = {"n_layer": 1, "n_head": H, "d_model": D, "d_ff": 2 * D, "dropout": 0.1}
+    config = {"scheme": {"name": "alibi"}, "model": model, "train": {"seq_len": 8}}
+    for fmt in (None, 1, 3, 4):
+        assert upgrade(config, fmt)["model"]["attn_dropout"] == 0.1
+    assert upgrade({**config, "model": {**model, "attn_dropout": 0.0}})["model"]["attn_dropout"] == 0.0
+    assert upgrade({"scheme": {"name": "alibi"}})["model"]["attn_dropout"] == 0.0  # neither key: the defaults
+    assert model_section({"dropout": 0.1}) == {**model_section({}), "dropout": 0.1, "attn_dropout": 0.1}
+    assert model_section({"dropout": 0.1, "attn_dropout": 0.0})["attn_dropout"] == 0.0
+    torch.manual_seed(0)
+    spec = {"vocab_size": VOCAB, "model": model, "scheme": {"name": "alibi"}}  # as written before the option
+    trained = build.build_model(spec, {"model": {"attn_dropout": 0.1}})
+    torch.save({"format": 3, "model": trained.state_dict(), "spec": spec, "config": config, "vocab_size": VOCAB,
+                "tokenizer": {}, "step": 1}, tmp_path / "old.pt")
+    state = checkpoint.read(tmp_path / "old.pt")
+    assert state["spec"]["model"]["attn_dropout"] == state["config"]["model"]["attn_dropout"] == 0.1
+    assert build.model_from(state).attn_dropout == 0.1
+    today = upgrade({**config, "model": {**model, "attn_dropout": 0.0}})
+    assert changed_keys(state["config"], today) == ["model.attn_dropout"]
+
+
 # ---- one builder and its spec ------------------------------------------------------------------------
 
 
@@ -230,8 +257,8 @@ def test_model_spec_is_exact_and_resolved():
     cfg = {"scheme": {"name": "learned"}, "model": {"name": "tiny", "n_layer": 2}, "train": {"seq_len": 20}}
     assert build.model_spec(cfg, VOCAB) == {
         "vocab_size": VOCAB, "scheme": {"name": "learned", "max_positions": 320},  # 16·L
-        "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "scale_embeddings": True,
-                  "attn_scale": "none", "scale_length": None}}
+        "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "attn_dropout": 0.0,
+                  "scale_embeddings": True, "attn_scale": "none", "scale_length": None}}
 
 
 def test_build_model_overrides_and_defaults():
