@@ -156,7 +156,7 @@ class Loop:
         self.job, self.t, self.model, self.optimizer, self.states = job, job.config.train, model, optimizer, states
         self.proc, self.tracker, self.main = proc, tracker, proc.rank == 0
         net = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
-        self.forward = _compiled(net) if self.t.compile else net
+        self.forward = Forward(net, compile=self.t.compile)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=proc.device.type == "cuda")
         self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
         self.probe_every = job.config.eval.probe_every
@@ -228,10 +228,13 @@ class Loop:
         extra = {}
         if t.random_positions:  # (off: the call, and every random number, as without the option)
             extra["pos"] = random_positions(seed, i, self.proc.rank, t.random_positions, t.seq_len).to(self.proc.device)
-        with self.autocast:
-            loss = self.forward(x, targets=y, **extra).mean()  # mean NLL over the batch's B·L targets
+        def forward():
+            with self.autocast:
+                return self.forward(x, targets=y, **extra).mean()  # mean NLL over the batch's B·L targets
+
+        loss = forward()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = self.forward.backward(loss, forward, self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)  # 0: no clipping
         self.optimizer.step()  # a non-finite step is found at the next host sync, before any checkpoint is saved
         return i + 1, lr, loss.detach(), grad_norm.detach()
@@ -385,21 +388,40 @@ def _param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _compiled(net: torch.nn.Module):
-    """``torch.compile(net)``, falling back to eager (with a warning) when compilation fails at the first call;
-    once a compiled call has succeeded, an error in a later step is the step's error and propagates."""
-    compiled, first = torch.compile(net), True
+class Forward:
+    """The training forward pass: ``net`` itself, or ``torch.compile(net)`` (``compile``) falling back to eager, with a
+    warning, when compiling fails in the first step, in its forward or in its backward (which Inductor compiles at
+    the first ``loss.backward()``). Once a step has succeeded, an error is the step's error and propagates."""
 
-    def forward(x, **kwargs):
-        nonlocal compiled, first
-        if not first:
-            return compiled(x, **kwargs)
-        first = False
+    def __init__(self, net: torch.nn.Module, compile: bool):
+        self.net, self.run, self.trying = net, torch.compile(net) if compile else net, compile
+
+    def __call__(self, x, **kwargs):
+        if not self.trying:
+            return self.run(x, **kwargs)
         try:
-            return compiled(x, **kwargs)
-        except Exception as err:  # noqa: BLE001 - any compiler failure at the first call falls back the same way
-            log.warning("torch.compile failed (%s: %s); training in eager mode", type(err).__name__, err)
-            compiled = net
-        return net(x, **kwargs)
+            return self.run(x, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any compiler failure in the first step falls back the same way
+            self._fall_back(err)
+        return self.run(x, **kwargs)
 
-    return forward
+    def backward(self, loss: torch.Tensor, redo, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``loss.backward()``; in the first step of a compiled model, a failure falls back to eager, clears the
+        gradients and runs the step's forward again (``redo()`` → loss) and its backward. Returns the loss used."""
+        if not self.trying:
+            loss.backward()
+            return loss
+        try:
+            loss.backward()
+        except Exception as err:  # noqa: BLE001 - as in __call__
+            self._fall_back(err)
+            optimizer.zero_grad(set_to_none=True)
+            loss = redo()
+            loss.backward()
+        self.trying = False
+        return loss
+
+    def _fall_back(self, err: Exception) -> None:
+        log.warning("torch.compile failed (%s: %s); training in eager mode", type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "")
+        self.run, self.trying = self.net, False

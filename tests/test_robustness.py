@@ -24,30 +24,62 @@ def test_windows_that_miss_targets_raise_a_real_error(monkeypatch):
         ev.evaluate(model, tokens, [32], "nonoverlapping", None, 256, 1024, torch.device("cpu"))
 
 
-class Flaky:
-    """A stand-in for a compiled model: ``fail_at`` lists the calls (1-based) that raise."""
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises, as Inductor does when it compiles a backward it cannot lower."""
 
-    def __init__(self, fail_at):
-        self.calls, self.fail_at = 0, set(fail_at)
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
 
-    def __call__(self, x, **kwargs):
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward failed to compile")
+
+
+class Flaky(torch.nn.Module):
+    """A stand-in for a compiled model: forward calls in ``fail_at`` (1-based) raise; with ``bad_backward`` every
+    output's backward raises."""
+
+    def __init__(self, net, fail_at=(), bad_backward=False):
+        super().__init__()
+        self.net, self.calls, self.fail_at, self.bad_backward = net, 0, set(fail_at), bad_backward
+
+    def forward(self, x):
         self.calls += 1
         if self.calls in self.fail_at:
             raise RuntimeError(f"compiled call {self.calls} failed")
-        return "compiled"
+        y = self.net(x)
+        return Boom.apply(y) if self.bad_backward else y
 
 
-def test_compile_falls_back_to_eager_only_at_the_first_call(monkeypatch):
-    eager = lambda x, **kwargs: "eager"  # noqa: E731
-    monkeypatch.setattr(torch, "compile", lambda net: Flaky({1}))
-    fwd = train._compiled(eager)
-    assert [fwd(0), fwd(0)] == ["eager", "eager"]  # the first call failed to compile: eager from then on
+def one_step(fwd, net, optimizer):
+    x = torch.ones(2, 3)
+    loss = fwd(x).sum()
+    optimizer.zero_grad(set_to_none=True)
+    return fwd.backward(loss, lambda: fwd(x).sum(), optimizer)
 
-    monkeypatch.setattr(torch, "compile", lambda net: Flaky({3}))
-    fwd = train._compiled(eager)
-    assert [fwd(0), fwd(0)] == ["compiled", "compiled"]
-    with pytest.raises(RuntimeError, match="compiled call 3 failed"):  # a later error is the step's, not a fallback
-        fwd(0)
+
+@pytest.mark.parametrize("failure", ["forward", "backward"])
+def test_compile_falls_back_to_eager_in_the_first_step_only(monkeypatch, caplog, failure):
+    """A compiler failure in the first step's forward or backward: eager from then on, the step's gradients the
+    eager model's; after a first step that succeeded, a failure is the step's error."""
+    net = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    flaky = Flaky(net, fail_at={1} if failure == "forward" else (), bad_backward=failure == "backward")
+    monkeypatch.setattr(torch, "compile", lambda module: flaky)
+    fwd = train.Forward(net, compile=True)
+    loss = one_step(fwd, net, optimizer)
+    assert fwd.run is net and "training in eager mode" in caplog.text
+    torch.testing.assert_close(net.weight.grad, torch.full((1, 3), 2.0))  # d/dW of Σ (W·1 + b) over 2 rows, once
+    assert loss.item() == pytest.approx(net(torch.ones(2, 3)).sum().item())
+
+    flaky = Flaky(net, fail_at={2})
+    monkeypatch.setattr(torch, "compile", lambda module: flaky)
+    fwd = train.Forward(net, compile=True)
+    one_step(fwd, net, optimizer)  # the first step compiled, forward and backward
+    assert fwd.run is flaky
+    with pytest.raises(RuntimeError, match="compiled call 2 failed"):  # a later error is the step's, not a fallback
+        one_step(fwd, net, optimizer)
 
 
 def test_syncing_every_4_steps_logs_the_numbers_of_syncing_every_step(tmp_path, tmp_path_factory, torch_state):
