@@ -120,7 +120,7 @@ class Context:
 
 
 def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32,
-            dropout: float = 0.0, kernel: str | None = None) -> Context:
+            dropout: float = 0.0, kernel: str | None = None, span: int | None = None) -> Context:
     """The attention context of one forward pass over positions ``pos`` (T,) int64.
 
     Args:
@@ -129,6 +129,8 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         dtype: the activations' dtype, or autocast's under autocast (bias and rotation tables are built in it).
         dropout: attention dropout probability of this pass (0 when evaluating).
         kernel: force a kernel (tests, benchmarks); None chooses with :func:`choose_kernel`.
+        span: max(pos) − min(pos) + 1 when the caller knows it (T for positions 0…T−1), else None: read from ``pos``
+            where a per-distance table needs it (a host sync, and a graph break under torch.compile).
     Raises:
         ValueError: an unknown ``kernel``; ``flex`` where FlexAttention is missing, with dropout, or on CPU with
             gradients on; ``folded`` for a scheme whose bias is not key-only.
@@ -141,7 +143,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout)
     if kernel in ("flex", "dense") and scheme.distance_table:
-        ctx.table = distance_table(scheme, pos, dtype)  # (H, N)
+        ctx.table = distance_table(scheme, pos, dtype, span)  # (H, N)
     if kernel == "flex":
         if flex_attention is None or dropout or (grad and not flex_backward(device)):
             raise ValueError("FlexAttention needs torch >= 2.5 and no dropout, and on CPU no gradients")
@@ -250,11 +252,13 @@ def _dense_blocks(T: int, n_head: int) -> list[tuple[int, int]]:
     return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
 
 
-def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype,
+                   span: int | None = None) -> torch.Tensor:
     """The bias of a ``distance_table`` scheme at every distance n = 0…N−1 a window at positions ``pos`` (T,) int64
-    holds, N = max(pos) − min(pos) + 1: ``scheme.bias`` of queries at n against a key at 0 → (H, N), in ``dtype``
-    or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any kernel)."""
-    n = torch.arange(int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
+    holds, N = ``span`` or max(pos) − min(pos) + 1: ``scheme.bias`` of queries at n against a key at 0 → (H, N), in
+    ``dtype`` or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any
+    kernel)."""
+    n = torch.arange(span or int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
     return scheme.bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
 
 

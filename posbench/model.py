@@ -206,13 +206,16 @@ class GPT(nn.Module):
         the last ``last`` positions only, (B, last, V), so that a probe scoring a few tokens keeps no (B, T, V)), or, given
         targets (B, T) int64, each target's NLL in nats (B, T) float32 (from float32 logits whatever autocast
         does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor)."""
+        span = None  # max(pos) − min(pos) + 1, known without reading pos for the default positions
         if pos is None:
-            pos = torch.arange(idx.shape[1], device=idx.device)
+            pos, span = torch.arange(idx.shape[1], device=idx.device), idx.shape[1]
         layers = self.layer_schemes
         x = self.drop(layers[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
         # once per pass and scheme instance (every layer's, or each layer's own): kernel, rotation tables, bias blocks
         dropout = self.attn_dropout if self.training else 0.0  # of the attention probabilities
-        contexts = {id(s): attention.context(s, pos, self.n_head, x.dtype, dropout) for _, s in self.scheme_parts()}
+        contexts = {}
+        for _, s in self.scheme_parts():  # (a loop: torch.compile cannot resume a comprehension after a graph break)
+            contexts[id(s)] = attention.context(s, pos, self.n_head, x.dtype, dropout, span=span)
         log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
         for block, scheme in zip(self.blocks, layers):
             x = block(x, contexts[id(scheme)], log_n)

@@ -190,3 +190,20 @@ def test_a_gpu_takes_larger_blocks_of_contextual_scores():
     assert max(e - s for s, e in cpu) * B * H * T <= attention.CONTEXT_ELEMENTS
     assert max(e - s for s, e in cuda) * B * H * T <= attention.CONTEXT_ELEMENTS_CUDA
     assert len(cpu) >= 16 * len(cuda) and cpu[-1][1] == cuda[-1][1] == T
+
+
+@pytest.mark.parametrize("name", ["t5", "kerple_log", "sandwich", "fire", "alibi", "rope", "cope"])
+def test_the_model_compiles_whole_for_training(name):
+    """train.compile (on by default on CUDA) traces the training forward without a graph break (``fullgraph``):
+    the per-distance table's length comes from the window's length, not from reading the positions, and the
+    attention contexts are built in a loop (Dynamo could not resume a comprehension after a break). Same NLL as
+    eager."""
+    torch.manual_seed(0)
+    layers = 2
+    scheme = [scheme_of(name) for _ in range(layers)] if name in ("fire", "cope") else scheme_of(name)
+    net = GPT(64, layers, H, H * DH, 64, scheme)
+    idx = torch.randint(0, 64, (2, 33))
+    got = torch.compile(net, backend="eager", fullgraph=True)(idx[:, :-1], targets=idx[:, 1:])
+    got.mean().backward()
+    torch.testing.assert_close(got.detach(), net(idx[:, :-1], targets=idx[:, 1:]).detach())
+    torch._dynamo.reset()
