@@ -1,20 +1,28 @@
 """Speed and memory of every positional scheme, as ratios to causal SDPA (nope) measured in the same run.
 
     python scripts/benchmark.py --out bench.json       # model=tiny, L=128, CPU fp32, 2 threads, all schemes
-    python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --device cuda --dtype bf16 --compile
+    python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --seq-len 512 --device cuda --dtype bf16 \
+        --compile --lengths 2048 8192        # model=small on a GPU (scripts/gpu_check.sh runs this)
 
 On random tokens, one model per case (``posbench.build.build_model``, one seed), it measures, for every registered
 scheme and, by default, RoPE and ALiBi with each length-dependent attention scaling (``rope+log_n``, ``alibi+ssmax``:
 ``model.attn_scale``, a factor on the queries):
 
-* the matmul ceiling: 1024×1024 @ 1024×1024 in fp32 (bf16), 2·1024³ FLOPs, median of loops of 10 run in turn
-  with the training steps (below), so both see the same machine;
+* the matmul ceiling, median of loops of 10 matmuls in the benchmark's dtype run in turn with the training steps
+  (below), so both see the same machine: on CPU 1024×1024 @ 1024×1024 (2·1024³ FLOPs), timed around each loop;
+  on CUDA 8192×8192 @ 8192×8192 (2·8192³ = 1.1 TFLOP, 1–2 ms on an H100), timed with CUDA events around
+  each loop, since a 1024³ matmul (2 GFLOP, a few µs) is bound by kernel launches there and would set the ceiling
+  several times too low, so every fraction of it several times too high. On CUDA the device's datasheet peak
+  (dense, no sparsity; :data:`PEAKS`, NVIDIA's datasheets) is printed too where the device is in the table, and
+  training's MFU (model FLOPs utilisation: GFLOP/s below over that peak) beside its fraction of the ceiling;
 * training: the step of posbench/train.py (forward, cross entropy, backward, clipping, AdamW from
   ``posbench.train.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
   step by step. GFLOP/s counts 6·N + 12·n_layer·d_model·L FLOPs per token (N: parameters but the
   position table, tied head once), PaLM's estimate (Chowdhery et al. 2022, App. B; nanoGPT's ``estimate_mfu``):
   one count for every scheme, so GFLOP/s ∝ tokens/s, and causal attention's masked half counted too;
-* evaluation: a no-grad forward of batch 1 at each length (default L·2^k up to 64L), ``--repeats`` times (and
+* evaluation: a no-grad forward of batch 1 at each length (default L·2^k up to 64L) in float32 without autocast
+  whatever ``--dtype`` (posbench evaluates so: posbench/train.py calls ``posbench.evaluate.evaluate`` outside the
+  bf16 autocast it trains under on CUDA; ``--dtype bf16`` is training's autocast), ``--repeats`` times (and
   ≥ 0.5 s) in turn with nope's at that length, after an untimed one whose peak memory growth is kept: on CPU
   in a fresh process per case, the rise of the resident high-water mark (VmHWM, reset via
   /proc/self/clear_refs) once a 2-token forward took the one-time costs; on CUDA, of
@@ -24,13 +32,25 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
 nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise). Only ratios compare across machines (machines of
 one kind here differ 2× in speed). Targets (CPU fp32, model=tiny, 2 threads), printed ✓/✗ and in the JSON:
 every bias scheme's evaluation at 16L and 64L ≤ 1.5× nope's time and ≤ 2× nope's memory growth; ALiBi's train
-step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling. A contextual scheme (CoPE: ``contextual = True``, its
+step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling; and on CUDA, where the device's peak is known, an MFU
+≥ 40%. A contextual scheme (CoPE: ``contextual = True``, its
 positions counted from the content) has no evaluation target: it runs the contextual kernel, which materialises
 every (query, key) score by definition, so its cost grows with T² where causal SDPA's memory does not; its step and
 evaluation ratios to nope are printed after the table all the same (and are in the JSON). Every scheme is built
 with its options filled from L (``Config.fill``), as ``posbench train`` builds it (CoPE: npos = L + 1).
-``--compile`` compiles training only. A warning follows the table if posbench's source changed during the run
-(JSON ``source_changed``): re-run then.
+
+``--compile`` compiles training only (``GPT.forward``, as ``train.compile=true`` does; ``--compile-backend eager``
+checks the compile path without generating code). Every case compiles the same code object, of which Dynamo keeps
+8 compiled variants by default (``torch._dynamo.config.recompile_limit``) before it runs the next cases eager with
+only a log warning: the 9th case on, a compiled step would have been timed against eager ones. So the limit is
+raised to :data:`VARIANTS_PER_CASE` per case, and reaching it is made an error (``fail_on_recompile_limit_hit``),
+for Flex's compiled kernel too (on CUDA every case's evaluation calls it in this one process). Not a
+``torch._dynamo.reset()`` per case: the cases take turns step by step, and a reset drops the compiled code of the
+cases before it. The JSON has, for each case, what its compilation added to Dynamo's counts (``train.<case>.dynamo``:
+graphs, frames converted and converted without error, graph breaks; a frame not converted stops the run), the
+same for the timed steps (``dynamo_in_timed_steps``; graphs there are recompilations timed, and are warned about),
+and each evaluation case's graphs (``dynamo_graphs``). A warning follows the table if posbench's source changed
+during the run (JSON ``source_changed``): re-run then.
 """
 
 from __future__ import annotations
@@ -42,6 +62,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -50,6 +71,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 import posbench
 from posbench.build import build_model
@@ -62,7 +84,19 @@ TARGET_MULTIPLES = (16, 64)  # evaluation targets apply at 16L and 64L
 MARK = {True: "✓", False: "✗"}
 SCALED = ("rope+log_n", "rope+ssmax", "alibi+log_n", "alibi+ssmax")  # default cases with length-dependent scaling
 MEM_FLOOR = 1 << 20  # bytes: a smaller growth counts as this much in ratios
-N = 1024  # matmul ceiling size
+N = 1024  # matmul ceiling size on CPU
+N_CUDA = 8192  # matmul ceiling size on CUDA: compute-bound (1024³ is launch-bound on a GPU)
+MATMULS = 10  # matmuls per timed loop of the ceiling
+MFU_TARGET = 0.40  # CUDA: training's model FLOPs over the datasheet peak
+VARIANTS_PER_CASE = 4  # Dynamo cache entries one case may add to a code object all cases share (see the docstring)
+# Datasheet peak TFLOP/s, dense (the datasheets' "with sparsity" figures halved), by a pattern searched in
+# torch.cuda.get_device_name(), first match wins: (pattern, device, bf16 tensor core, fp32 without TF32).
+PEAKS = ((r"GH200", "GH200", 989, 67), (r"H200 NVL", "H200 NVL", 835, 60), (r"H200", "H200 SXM", 989, 67),
+         (r"H100 NVL", "H100 NVL", 835, 60), (r"H100 PCIe", "H100 PCIe", 756, 51), (r"H100", "H100 SXM", 989, 67),
+         (r"A100", "A100", 312, 19.5), (r"L40S", "L40S", 362, 91.6), (r"L40\b", "L40", 181, 90.5),
+         (r"L4\b", "L4", 121, 30.3), (r"A10\b", "A10", 125, 31.2))
+PEAK_SOURCE = ("NVIDIA datasheets: H100 and H200 Tensor Core GPU, GH200 Grace Hopper Superchip, A100 Tensor Core GPU, "
+               "L40S, L40, L4 and A10 GPU (dense figures)")
 MIN_EVAL_SECONDS = 0.5  # short forwards are repeated past --repeats until they add up to this
 
 
@@ -73,7 +107,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="the train length L")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (set and recorded)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: training under bf16 autocast (evaluation stays float32, as posbench evaluates)")
     p.add_argument("--steps", type=int, default=20, help="timed train steps per scheme; the median is kept")
     p.add_argument("--warmup", type=int, default=3, help="untimed train steps per scheme")
     p.add_argument("--lengths", type=int, nargs="+", help="evaluation lengths (default L·2^k up to 64L)")
@@ -83,6 +118,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timings per evaluation case; the median is kept")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend with --compile (default inductor; eager: Dynamo's capture alone, "
+                        "no code generated, for quick checks of the compile path)")
     p.add_argument("--eval-case", help=argparse.SUPPRESS)  # SCHEME:LENGTH, the child process of one case
     args = p.parse_args(argv)
     args.lengths = args.lengths or [args.seq_len * 2**k for k in range(7)]
@@ -134,7 +172,56 @@ def sync(args) -> None:
 
 
 def autocast(args):
+    """Training's autocast: bf16 with ``--dtype bf16`` (posbench/train.py trains so on CUDA), else none."""
     return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+
+def matmul_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
+def ceiling_size(args) -> int:
+    """N of the N×N @ N×N ceiling matmul: :data:`N` on CPU, :data:`N_CUDA` on CUDA."""
+    return N_CUDA if args.device == "cuda" else N
+
+
+def peak(args) -> dict | None:
+    """The datasheet peak of this CUDA device in the benchmark's dtype (:data:`PEAKS`): {"device", "dtype", "tflops",
+    "source"}; None on CPU, for a device not in the table, or in fp32 with TF32 allowed (no fp32 figure applies)."""
+    if args.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    row = next((r for r in PEAKS if re.search(r[0], name)), None)
+    if row is None or (args.dtype == "fp32" and torch.get_float32_matmul_precision() != "highest"):
+        return None
+    return {"device": row[1], "dtype": "bf16 tensor core" if args.dtype == "bf16" else "fp32 (no TF32)",
+            "tflops": row[2] if args.dtype == "bf16" else row[3], "source": PEAK_SOURCE}
+
+
+def bound_recompiles(cases: int) -> None:
+    """Let Dynamo keep :data:`VARIANTS_PER_CASE` compiled variants of a code object per case, and make reaching that
+    an error (``FailOnRecompileLimitHit``) instead of a silent fall back to eager. The keys' names before torch 2.7
+    were ``cache_size_limit``, ``accumulated_cache_size_limit``, ``fail_on_cache_limit_hit``."""
+    cfg = torch._dynamo.config
+    new = hasattr(cfg, "recompile_limit")
+    limit, total, fail = (("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit") if new else
+                          ("cache_size_limit", "accumulated_cache_size_limit", "fail_on_cache_limit_hit"))
+    setattr(cfg, limit, max(getattr(cfg, limit), VARIANTS_PER_CASE * cases))
+    setattr(cfg, total, max(getattr(cfg, total), 4 * getattr(cfg, limit)))
+    setattr(cfg, fail, True)
+
+
+def dynamo_counts() -> dict:
+    """Dynamo's counts in this process so far: graphs compiled, frames converted (and of those, without error),
+    graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"],
+            "frames_ok": counters["frames"]["ok"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def dynamo_since(before: dict) -> dict:
+    return {k: v - before[k] for k, v in dynamo_counts().items()}
 
 
 def timed(args, fn, loops: int = 1) -> float:
@@ -147,16 +234,32 @@ def timed(args, fn, loops: int = 1) -> float:
 
 
 def matmul_sampler(args):
-    """A function timing one loop of 10 N×N @ N×N matmuls in the benchmark's dtype (seconds per matmul)."""
-    a, b = (torch.randn(N, N, device=args.device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-            for _ in range(2))
+    """A function timing one loop of :data:`MATMULS` n×n @ n×n matmuls in the benchmark's dtype (n:
+    :func:`ceiling_size`), in seconds per matmul: on CPU around the loop, on CUDA with CUDA events around it."""
+    n = ceiling_size(args)
+    a, b = (torch.randn(n, n, device=args.device, dtype=matmul_dtype(args)) for _ in range(2))
     timed(args, lambda: a @ b, 3)
-    return lambda: timed(args, lambda: a @ b, 10)
+    if args.device != "cuda":
+        return lambda: timed(args, lambda: a @ b, MATMULS)
+    c = torch.empty_like(a)
+
+    def sample() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(MATMULS):
+            torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / MATMULS  # (elapsed_time: milliseconds)
+
+    return sample
 
 
-def train(args) -> tuple[dict, list, float]:
+def train(args) -> tuple[dict, list, float, dict]:
     """Median seconds per training step of each scheme over ``--steps`` steps, the schemes and a matmul sample
-    taking turns; the matmul samples; the share of ``--threads`` cores this process had meanwhile."""
+    taking turns, and with ``--compile`` what compiling each case added to Dynamo's counts (:func:`dynamo_counts`);
+    the matmul samples; the share of ``--threads`` cores this process had meanwhile; Dynamo's counts added while
+    the steps were timed."""
     from omegaconf import OmegaConf
 
     from posbench.config import TrainConfig
@@ -167,29 +270,36 @@ def train(args) -> tuple[dict, list, float]:
         torch.utils.deterministic.fill_uninitialized_memory = False
     t = OmegaConf.structured(TrainConfig(seq_len=args.seq_len, batch_size=args.batch))
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(args.device)
-    steps = {}
+    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()  # (B, L) each, contiguous as posbench's batches (what a
+    # compiled forward is specialised on: the same graph as in ``posbench train``, so Inductor's cache can serve both)
+    steps, compiled = {}, {}
     for s in args.schemes:
         model = make_model(args, s).train()
         opt = make_optimizer(model, t, fused=args.device == "cuda")
-        fwd = torch.compile(model) if args.compile else model
+        fwd = torch.compile(model, backend=args.compile_backend) if args.compile else model
+        before = dynamo_counts()
 
         def step(model=model, opt=opt, fwd=fwd):
             with autocast(args):
-                loss = fwd(x[:, :-1], targets=x[:, 1:]).mean()
+                loss = fwd(x, targets=y).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             opt.step()
 
-        for _ in range(args.warmup):
+        for _ in range(max(1, args.warmup) if args.compile else args.warmup):  # (compiled at the first step)
             step()
-        steps[s] = step
-    matmul, cpu, wall = matmul_sampler(args), time.process_time(), time.perf_counter()
+        steps[s], compiled[s] = step, dynamo_since(before) if args.compile else None
+        if compiled[s] and compiled[s]["frames_ok"] < compiled[s]["frames"]:
+            raise SystemExit(f"--compile: Dynamo could not convert {compiled[s]['frames'] - compiled[s]['frames_ok']} "
+                             f"frame(s) of case {s}, which would run eager")
+    matmul, cpu, wall, before = matmul_sampler(args), time.process_time(), time.perf_counter(), dynamo_counts()
     rounds = [{**{s: timed(args, step) for s, step in steps.items()}, "": matmul()} for _ in range(args.steps)]
     share = (time.process_time() - cpu) / (time.perf_counter() - wall) / args.threads
+    timed_dynamo = dynamo_since(before)
     torch.use_deterministic_algorithms(False)
-    return ({s: {"step_seconds": statistics.median(r[s] for r in rounds), "step_seconds_all": [r[s] for r in rounds]}
-             for s in steps}, [r[""] for r in rounds], share)
+    return ({s: {"step_seconds": statistics.median(r[s] for r in rounds), "step_seconds_all": [r[s] for r in rounds],
+                 "dynamo": compiled[s]} for s in steps}, [r[""] for r in rounds], share, timed_dynamo)
 
 
 def hwm() -> int:
@@ -201,12 +311,13 @@ def hwm() -> int:
 
 def eval_case(args, scheme: str, n: int) -> dict:
     """Median seconds of a no-grad forward scoring n tokens (what ``posbench.evaluate`` runs: per-token NLL, no
-    logits kept), its median ratio to nope's timed in turn with it, and the peak memory growth of the first one."""
+    logits kept, float32 without autocast whatever ``--dtype``), its median ratio to nope's timed in turn with it,
+    the peak memory growth of the first one, and the Dynamo graphs compiled meanwhile (Flex's, on CUDA)."""
     model = make_model(args, scheme).eval()
     idx = torch.randint(0, args.vocab, (1, n + 1), generator=torch.Generator().manual_seed(n)).to(args.device)
     x, y = idx[:, :-1], idx[:, 1:]  # (1, n) each
-    cuda = args.device == "cuda"
-    with torch.no_grad(), autocast(args):
+    cuda, dynamo = args.device == "cuda", dynamo_counts()
+    with torch.no_grad():  # no autocast: posbench evaluates in float32 (see the module docstring)
         model(x[:, :2], targets=y[:, :2])  # one-time costs (thread pools, kernel set-up, lazy imports: ~14 MB on CPU) go first
         sync(args)
         torch.cuda.reset_peak_memory_stats() if cuda else None
@@ -224,7 +335,7 @@ def eval_case(args, scheme: str, n: int) -> dict:
             ref.append(timed(args, lambda: base(x, targets=y)) if base else own[-1])
     return {"seconds": statistics.median(own), "seconds_all": own, "nope_seconds": statistics.median(ref),
             "time_x_nope": statistics.median(a / b for a, b in zip(own, ref)), "peak_growth_bytes": max(0, growth),
-            "source": source_digest()}
+            "dynamo_graphs": dynamo_since(dynamo)["graphs"], "source": source_digest()}
 
 
 def run_case(args, argv, scheme: str, n: int) -> dict:
@@ -258,6 +369,7 @@ def main(argv=None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    bound_recompiles(len(args.schemes))
     if args.eval_case:  # the child process of one evaluation case
         scheme, n = args.eval_case.rsplit(":", 1)
         print(json.dumps(eval_case(args, scheme, int(n))))
@@ -268,10 +380,23 @@ def main(argv=None) -> dict | None:
     named = make_model(args, BASELINE).named_parameters()  # the tied head counted once
     n_params = sum(p.numel() for name, p in named if not name.startswith("scheme."))
     per_token = 6 * n_params + 12 * args.layers * args.d_model * L
-    (tr, matmul, info["cpu_share_in_training"]), targets, marks = train(args), [], {}
-    ceiling = 2 * N**3 / statistics.median(matmul) / 1e9
-    print(f"matmul ceiling ({N}³ {args.dtype}): {ceiling:.1f} GFLOP/s; model FLOPs/token 6N + 12·n_layer·d·L = "
+    (tr, matmul, info["cpu_share_in_training"], timed_dynamo), targets, marks = train(args), [], {}
+    size, top = ceiling_size(args), peak(args)
+    ceiling = 2 * size**3 / statistics.median(matmul) / 1e9
+    print(f"matmul ceiling ({size}³ {args.dtype}): {ceiling:.1f} GFLOP/s; model FLOPs/token 6N + 12·n_layer·d·L = "
           f"{per_token / 1e6:.2f} M (N = {n_params / 1e6:.2f} M)", flush=True)
+    if top:
+        print(f"datasheet peak ({top['device']}, {top['dtype']}, dense; {top['source']}): {top['tflops']:g} TFLOP/s; "
+              f"the ceiling is {ceiling / 1e3 / top['tflops']:.0%} of it", flush=True)
+    elif args.device == "cuda":
+        print(f"datasheet peak: none known for {info['device']} in {args.dtype} (PEAKS in {Path(__file__).name}); "
+              "no MFU", flush=True)
+    if args.compile:
+        print("compiled cases, Dynamo graphs each: " + ", ".join(f"{s} {r['dynamo']['graphs']}" for s, r in tr.items())
+              + f"; graphs compiled during the timed steps: {timed_dynamo['graphs']}", flush=True)
+        if timed_dynamo["graphs"]:
+            print("warning: a case recompiled while its steps were timed: its step time includes compilation",
+                  flush=True)
     if args.device == "cpu" and info["cpu_share_in_training"] < 0.8:
         print(f"warning: training had {info['cpu_share_in_training']:.0%} of {args.threads} cores: another process "
               "used the CPU, so ratios are unreliable", flush=True)
@@ -282,6 +407,10 @@ def main(argv=None) -> dict | None:
         r["step_x_nope"] = r["step_seconds"] / tr[BASELINE]["step_seconds"]
         marks[s] = check(targets, f"train >= {CEILING_FRACTION:.0%} of the matmul ceiling", s, r["ceiling_fraction"],
                          CEILING_FRACTION, at_least=True)
+        r["mfu"] = r["gflops"] / 1e3 / top["tflops"] if top else None
+        if top:
+            marks[s, "mfu"] = check(targets, f"train MFU >= {MFU_TARGET:.0%} of the datasheet peak", s, r["mfu"],
+                                    MFU_TARGET, at_least=True)
     alibi_x_rope = tr["alibi"]["step_seconds"] / tr["rope"]["step_seconds"] if {"alibi", "rope"} <= set(tr) else None
     if alibi_x_rope is not None:
         check(targets, f"alibi train step <= {ALIBI_X_ROPE}x rope's", "alibi", alibi_x_rope, ALIBI_X_ROPE)
@@ -300,14 +429,16 @@ def main(argv=None) -> dict | None:
                                      r["mem_x_nope"], EVAL_MEM_X, length=n))
 
     print(f"\n{'':<11}{'train':<42}| eval time ×nope / peak memory growth ×nope at T =")
-    print(f"{'scheme':<11}{'tok/s':>8}{'step×nope':>11}{'GFLOP/s':>9}{'ceiling':>10}  |" + "".join(f"{n:>12}" for n in args.lengths))
+    print(f"{'scheme':<11}{'tok/s':>8}{'step×nope':>11}{'GFLOP/s':>9}{'ceiling':>10}  "
+          + (f"{'MFU':>8}  " if top else "") + "|" + "".join(f"{n:>12}" for n in args.lengths))
     for s in schemes:
         r, row = tr[s], ""
         for n in args.lengths:
             t, m, ok = f"{ev[s][n]['time_x_nope']:.2f}", f"{ev[s][n]['mem_x_nope']:.2f}", marks.get((s, n))
             row += f"{t + MARK[ok[0]] + '/' + m + MARK[ok[1]] if ok else t + '/' + m:>12}"
+        mfu = f"{r['mfu']:>6.0%} {MARK[marks[s, 'mfu']]}  " if top else ""
         print(f"{s:<11}{r['tokens_per_s']:>8,.0f}{r['step_x_nope']:>11.2f}{r['gflops']:>9.1f}"
-              f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  |" + row)
+              f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  {mfu}|" + row)
     if alibi_x_rope is not None:
         print(f"alibi step / rope step = {alibi_x_rope:.3f} {MARK[alibi_x_rope <= ALIBI_X_ROPE]} (target <= {ALIBI_X_ROPE})")
     for s in filter(contextual, schemes):
@@ -321,7 +452,9 @@ def main(argv=None) -> dict | None:
         print("warning: posbench's source changed during the run, so its cases measured different code: re-run")
 
     result = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "eval_case"},
-              "matmul_ceiling_gflops": ceiling, "matmul_seconds_all": matmul, "ceiling_matmul": f"{N}x{N} @ {N}x{N} {args.dtype}",
+              "matmul_ceiling_gflops": ceiling, "matmul_seconds_all": matmul,
+              "ceiling_matmul": f"{size}x{size} @ {size}x{size} {args.dtype}",
+              "peak": top, "dynamo_in_timed_steps": timed_dynamo if args.compile else None,
               "flops": {"formula": "6*N + 12*n_layer*d_model*L per token (PaLM App. B; nanoGPT estimate_mfu)",
                         "n_params": n_params, "per_token": per_token},
               "train": tr, "alibi_step_x_rope": alibi_x_rope,

@@ -1,15 +1,20 @@
 """scripts/benchmark.py end to end at tiny sizes: it runs, prints its table and writes its JSON, whose figures
-are positive numbers. Nothing here is timed or held to a target: the speed targets live in the benchmark."""
+are positive numbers; and, in-process, its parts that a GPU run depends on: every ``--compile`` case compiled past
+Dynamo's default limit of 8 variants, evaluation in float32 while training autocasts, the CUDA ceiling's size and
+the datasheet peaks. Nothing here is timed or held to a target: the speed targets live in the benchmark."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch._dynamo
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "2", "--vocab", "64", "--seq-len", "4", "--batch", "2",
@@ -30,7 +35,12 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
 
     r = json.loads(out.read_text())
     assert set(r) == {"machine", "settings", "matmul_ceiling_gflops", "matmul_seconds_all", "ceiling_matmul", "flops", "train",
-                      "alibi_step_x_rope", "eval", "targets", "all_targets_met", "source_changed"}
+                      "alibi_step_x_rope", "eval", "targets", "all_targets_met", "source_changed", "peak",
+                      "dynamo_in_timed_steps"}
+    # the CPU ceiling as before (1024³ fp32, one sample per round of steps), no datasheet peak, nothing compiled
+    assert r["ceiling_matmul"] == "1024x1024 @ 1024x1024 fp32" and len(r["matmul_seconds_all"]) == 1
+    assert r["peak"] is None and r["dynamo_in_timed_steps"] is None
+    assert all(t["mfu"] is None and t["dynamo"] is None for t in r["train"].values())
     assert r["machine"]["threads"] == 1 and r["machine"]["torch"] == torch.__version__
     assert {"cpu", "device", "dtype", "source"} <= set(r["machine"]) and positive(r["machine"]["cpu_share_in_training"])
     assert r["flops"]["per_token"] > 6 * r["flops"]["n_params"] > 0
@@ -68,3 +78,107 @@ def test_scaled_and_contextual_cases(tmp_path):
     assert not [t for t in r["targets"] if t["scheme"] == "cope" and t.get("length")]  # no evaluation target
     bad = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--schemes", "rope+logn"], capture_output=True, text=True)
     assert bad.returncode == 2 and "'rope+logn'" in bad.stderr
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def dynamo_config():
+    """Dynamo's limits as they were, and its caches cleared, after the test (the benchmark sets them process-wide)."""
+    cfg = torch._dynamo.config
+    keys = ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
+    saved = {k: getattr(cfg, k) for k in keys}
+    torch._dynamo.reset()
+    yield cfg
+    torch._dynamo.reset()
+    for k, v in saved.items():
+        setattr(cfg, k, v)
+
+
+def test_every_compiled_case_is_compiled_past_dynamos_default_limit(dynamo_config):
+    """Nine cases share ``GPT.forward``'s code object, one more than Dynamo's default of 8 compiled variants, after
+    which it would run the ninth eager with only a log warning: each case must add its own Dynamo graph, every
+    frame converted, and the timed steps none (Dynamo's eager backend: the capture without code generation)."""
+    b = load_benchmark()
+    cases = ["nope", "sinusoidal", "learned", "alibi", "rope", "xpos", "p_rope", "rope+log_n", "rope+ssmax"]
+    assert dynamo_config.recompile_limit < len(cases)  # (else this test shows nothing)
+    args = b.parse([*TINY, "--compile", "--compile-backend", "eager", "--schemes", *cases[1:], "--lengths", "4"])
+    b.bound_recompiles(len(args.schemes))
+    assert dynamo_config.fail_on_recompile_limit_hit and dynamo_config.recompile_limit >= len(cases)
+    tr, matmul, share, timed = b.train(args)
+    assert list(tr) == cases
+    for case, r in tr.items():
+        d = r["dynamo"]
+        assert d["graphs"] >= 1 and d["frames"] == d["frames_ok"] >= 1, (case, d)
+    assert timed["graphs"] == timed["frames"] == 0, timed
+
+
+def test_recompile_limit_reached_is_an_error(dynamo_config):
+    """Past the limit the benchmark sets, Dynamo raises instead of running a case eager."""
+    b = load_benchmark()
+    b.bound_recompiles(1)
+    dynamo_config.recompile_limit = 1
+
+    def f(x, k):
+        return x * k
+
+    compiled = torch.compile(f, backend="eager")
+    compiled(torch.ones(2), 2)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        compiled(torch.ones(2), 3)  # another constant: a second variant
+
+
+def test_evaluation_in_float32_training_under_autocast(monkeypatch):
+    """With ``--dtype bf16`` the training steps run under bf16 autocast and the evaluation forwards without it, as
+    posbench trains (on CUDA) and evaluates."""
+    b = load_benchmark()
+    seen = {"train": set(), "eval": set()}
+    build = b.make_model
+
+    def recording(args, case):
+        model = build(args, case)
+        forward = model.forward
+
+        def wrapped(*a, **k):
+            seen["train" if model.training else "eval"].add(torch.is_autocast_enabled("cpu"))
+            return forward(*a, **k)
+
+        model.forward = wrapped
+        return model
+
+    monkeypatch.setattr(b, "make_model", recording)
+    args = b.parse([*TINY, "--dtype", "bf16", "--schemes", "rope", "--lengths", "8"])
+    b.train(args)
+    r = b.eval_case(args, "rope", 8)
+    assert seen == {"train": {True}, "eval": {False}}
+    assert r["seconds"] > 0 and r["dynamo_graphs"] == 0
+
+
+def test_cuda_ceiling_size_and_datasheet_peaks(monkeypatch):
+    """On CUDA the ceiling matmul is 8192³ (1024³ on CPU), and the peak is the datasheet's dense figure of the
+    device named, in the run's dtype; none for a device not in the table, or for fp32 with TF32 allowed."""
+    b = load_benchmark()
+    cpu, cuda = b.parse(TINY), b.parse([*TINY, "--device", "cuda", "--dtype", "bf16"])
+    assert (b.ceiling_size(cpu), b.ceiling_size(cuda)) == (1024, 8192)
+    assert b.peak(cpu) is None
+    expected = {"NVIDIA H100 80GB HBM3": ("H100 SXM", 989, 67), "NVIDIA H100 PCIe": ("H100 PCIe", 756, 51),
+                "NVIDIA H100 NVL": ("H100 NVL", 835, 60), "NVIDIA H200": ("H200 SXM", 989, 67),
+                "NVIDIA H200 NVL": ("H200 NVL", 835, 60), "NVIDIA GH200 480GB": ("GH200", 989, 67),
+                "NVIDIA A100-SXM4-80GB": ("A100", 312, 19.5), "NVIDIA A100 80GB PCIe": ("A100", 312, 19.5),
+                "NVIDIA L40S": ("L40S", 362, 91.6), "NVIDIA L40": ("L40", 181, 90.5), "NVIDIA L4": ("L4", 121, 30.3),
+                "NVIDIA A10": ("A10", 125, 31.2), "NVIDIA A10G": None, "NVIDIA GeForce RTX 4090": None}
+    fp32 = b.parse([*TINY, "--device", "cuda"])
+    for name, want in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        bf16_peak, fp32_peak = b.peak(cuda), b.peak(fp32)
+        got = None if bf16_peak is None else (bf16_peak["device"], bf16_peak["tflops"], fp32_peak["tflops"])
+        assert got == want, name
+        assert bf16_peak is None or "NVIDIA" in bf16_peak["source"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 allowed
+    assert b.peak(fp32) is None and b.peak(cuda)["tflops"] == 121
