@@ -374,6 +374,8 @@ def _flex_attend(q, k, v, ctx: Context) -> torch.Tensor:
     """Compiled flex_attention (its eager form materialises the scores); on a CPU where it fails to compile,
     the dense kernel, from then on."""
     global _compiled_flex, _flex_cpu_works
+    if torch.compiler.is_compiling():  # inside a compiled model (train.compile): its compile covers Flex, whole
+        return flex_attention(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)  # (B, H, T, Dh)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     if q.device.type != "cpu":

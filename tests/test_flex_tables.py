@@ -193,17 +193,21 @@ def test_a_gpu_takes_larger_blocks_of_contextual_scores():
 
 
 @pytest.mark.parametrize("name", ["t5", "kerple_log", "sandwich", "fire", "alibi", "rope", "cope"])
-def test_the_model_compiles_whole_for_training(name):
-    """train.compile (on by default on CUDA) traces the training forward without a graph break (``fullgraph``):
-    the per-distance table's length comes from the window's length, not from reading the positions, and the
-    attention contexts are built in a loop (Dynamo could not resume a comprehension after a break). Same NLL as
-    eager."""
+@pytest.mark.parametrize("training", [True, False])
+def test_the_model_compiles_whole(name, training):
+    """train.compile (on by default on CUDA) traces the model without a graph break (``fullgraph``), training and
+    evaluating (then, on CPU, through Flex for the bias schemes that cannot fold): the per-distance table's length
+    comes from the window's length, not from reading the positions; the attention contexts are built in a loop
+    (Dynamo could not resume a comprehension after a break); inside a compiled model Flex is called as it is, not
+    through its own compiled wrapper. Same NLL as eager."""
     torch.manual_seed(0)
     layers = 2
     scheme = [scheme_of(name) for _ in range(layers)] if name in ("fire", "cope") else scheme_of(name)
-    net = GPT(64, layers, H, H * DH, 64, scheme)
+    net = GPT(64, layers, H, H * DH, 64, scheme).train(training)
     idx = torch.randint(0, 64, (2, 33))
-    got = torch.compile(net, backend="eager", fullgraph=True)(idx[:, :-1], targets=idx[:, 1:])
-    got.mean().backward()
-    torch.testing.assert_close(got.detach(), net(idx[:, :-1], targets=idx[:, 1:]).detach())
+    with torch.set_grad_enabled(training):
+        got = torch.compile(net, backend="eager", fullgraph=True)(idx[:, :-1], targets=idx[:, 1:])
+        if training:
+            got.mean().backward()
+        torch.testing.assert_close(got.detach(), net(idx[:, :-1], targets=idx[:, 1:]).detach())
     torch._dynamo.reset()
