@@ -30,7 +30,7 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   without gradients a longer one runs, per block, a causal diagonal square and the unmasked keys before it,
   merged by their log-sum-exps; with gradients, each block against all its keys with a causal float mask.
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
-  causal mask (``scheme.bias``, or the per-distance table indexed by i − j) materialised one block of queries
+  causal mask (``scheme.pair_bias``, or the per-distance table indexed by i − j) materialised one block of queries
   at a time (at most :data:`BIAS_ELEMENTS` floats), built once
   per forward pass for the layers of one scheme instance (all of them, or one: ``per_layer``) when the whole mask
   fits in that budget.
@@ -149,7 +149,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             raise ValueError("FlexAttention needs torch >= 2.5 and no dropout, and on CPU no gradients")
         ctx.block_mask = _causal_block_mask(T, device)
         if ctx.table is None and grad and any(p.requires_grad for p in scheme.parameters()):
-            ctx.table = scheme.bias(pos, pos, dtype)  # (H, T, T): a learned bias of i and j (FIRE), indexed once
+            ctx.table = scheme.pair_bias(pos, pos, dtype)  # (H, T, T): a learned bias of i and j (FIRE), indexed once
         if ctx.table is not None and ctx.table._base is not None:  # a view's gradient does not reach its base
             ctx.table = ctx.table.clone()  # through Flex's backward (torch 2.13): Flex gets a tensor of its own
         ctx.score_mod = _flex_score_mod(scheme, pos, ctx.table)
@@ -255,11 +255,11 @@ def _dense_blocks(T: int, n_head: int) -> list[tuple[int, int]]:
 def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype,
                    span: int | None = None) -> torch.Tensor:
     """The bias of a ``distance_table`` scheme at every distance n = 0…N−1 a window at positions ``pos`` (T,) int64
-    holds, N = ``span`` or max(pos) − min(pos) + 1: ``scheme.bias`` of queries at n against a key at 0 → (H, N), in
+    holds, N = ``span`` or max(pos) − min(pos) + 1: ``scheme.pair_bias`` of queries at n against a key at 0 → (H, N), in
     ``dtype`` or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any
     kernel)."""
     n = torch.arange(span or int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
-    return scheme.bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
+    return scheme.pair_bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
 
 
 def _distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -270,13 +270,13 @@ def _distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) ->
 def dense_mask(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, s: int, e: int,
                dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
     """Bias plus causal mask of queries s…e−1 against keys 0…e−1: (H, e − s, e) in ``dtype``, −inf where the
-    key comes after the query (by index). The bias is ``scheme.bias`` of those positions, or, for a
+    key comes after the query (by index). The bias is ``scheme.pair_bias`` of those positions, or, for a
     ``distance_table`` scheme, its :func:`distance_table` (``table``, or built here) indexed by i − j."""
     if scheme.distance_table:
         table = distance_table(scheme, pos, dtype) if table is None else table  # (H, N)
         bias = table[:, _distances(table, pos[s:e, None], pos[None, :e])]  # (H, e-s, e)
     else:
-        bias = scheme.bias(pos[s:e], pos[:e], dtype)  # (H, e-s, e)
+        bias = scheme.pair_bias(pos[s:e], pos[:e], dtype)  # (H, e-s, e)
     future = torch.arange(e, device=pos.device)[None, :] > torch.arange(s, e, device=pos.device)[:, None]  # (e-s, e)
     return bias.masked_fill(future, float("-inf")).to(dtype).expand(n_head, e - s, e)
 

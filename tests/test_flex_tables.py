@@ -63,13 +63,13 @@ def test_the_distance_table_gives_every_pair_its_bias(name, positions):
 
 
 def test_fires_matmul_bias_is_its_unrolled_score_mod(monkeypatch):
-    """FIRE's ``bias`` (the MLP as matmuls, in row chunks without gradients) against its unrolled score_mod, with
+    """FIRE's ``pair_bias`` (the MLP as matmuls, in row chunks without gradients) against its unrolled score_mod, with
     queries past the threshold (where the bias depends on i as well as on i − j)."""
     s, T = scheme_of("fire", threshold=8), 24
     pos = torch.arange(T)
     monkeypatch.setattr(type(s), "HIDDEN_ELEMENTS", 3 * T * s.config.mlp_width)  # chunks of 3 rows
     with torch.no_grad():
-        got = s.bias(pos, pos)  # (H, T, T)
+        got = s.pair_bias(pos, pos)  # (H, T, T)
     want = naive_bias(s, pos)
     lower = torch.ones(T, T, dtype=torch.bool).tril()
     torch.testing.assert_close(got[:, lower].double(), want[:, lower], rtol=1e-5, atol=1e-6)

@@ -206,9 +206,9 @@ def test_attention_dropout_is_its_own_option(monkeypatch):
     seen = []  # the dropout of every attention context made
     real = attention.context
 
-    def spy(scheme, pos, n_head, dtype=torch.float32, dropout=0.0, kernel=None):
+    def spy(scheme, pos, n_head, dtype=torch.float32, dropout=0.0, **kwargs):
         seen.append(dropout)
-        return real(scheme, pos, n_head, dtype, dropout, kernel)
+        return real(scheme, pos, n_head, dtype, dropout, **kwargs)
 
     monkeypatch.setattr(attention, "context", spy)
     idx = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(0))

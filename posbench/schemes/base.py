@@ -67,7 +67,7 @@ class PositionalScheme(nn.Module):
             attention; the kernel may fold it into one extra head dimension of q and k.
         distance_table: the bias is a function of the head and the distance i − j alone (T5, KERPLE, Sandwich), and
             costlier than a table lookup: the kernels evaluate it once per forward pass on every distance the window
-            holds, as an (H, N) table (:meth:`bias` of distances 0…N−1 against key position 0), and index that table
+            holds, as an (H, N) table (:meth:`pair_bias` of distances 0…N−1 against key position 0), and index that table
             with i − j, inside FlexAttention as in the dense kernel. Flex's backward then adds each score's gradient
             into the table's H·N entries, where indexing the parameters themselves in ``score_mod`` would contend for
             a few addresses or (an MLP's weights indexed once per hidden unit) not compile at all. False here, and for
@@ -195,7 +195,7 @@ class PositionalScheme(nn.Module):
         """
         return score
 
-    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def pair_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The bias of queries at positions ``q_pos`` (Tq,) against keys at ``k_pos`` (Tk,), both int64 →
         (H, Tq, Tk), future keys included (the attention masks them), computed as the scores are: at least in
         ``dtype`` (float64 in a reference computation; the caller casts).

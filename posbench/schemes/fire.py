@@ -3,7 +3,7 @@ for relative positions"; registered as ``fire``.
 
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
 ``score_mod`` adds the MLP's output for head h, its hidden layer unrolled in Python (a sum of ``mlp_width`` pointwise
-terms) for FlexAttention's 0-d calls; ``bias`` computes the same bias for blocks of (query, key) pairs as matmuls,
+terms) for FlexAttention's 0-d calls; ``pair_bias`` computes the same bias for blocks of (query, key) pairs as matmuls,
 for the dense kernel and for the (H, T, T) table through which Flex trains it (one indexing op). The bias
 depends on i, not only on i − j. Its parameters are initialised here (the model does not re-initialise
 ``scheme.*``). As its reference code, FIRE is built once per attention layer with its threshold starting at 512
@@ -44,7 +44,7 @@ class Fire(PositionalScheme):
     c starts at ``init_c`` (0.1, the paper's); the MLP has PyTorch's default Linear initialisation, as the paper's
     code. i is the query's position as the model gives it (0 … T−1 from the window start by default), so the bias
     depends on i as well as on i − j: FIRE is not translation-invariant. The hidden layer is unrolled in
-    ``score_mod`` (a sum of ``mlp_width`` pointwise terms) and a matmul in ``bias``. ``per_layer`` (default
+    ``score_mod`` (a sum of ``mlp_width`` pointwise terms) and a matmul in ``pair_bias``. ``per_layer`` (default
     true): the model holds one FIRE per attention layer, each with its own c, L_thr and MLP, as the reference code
     builds one in every attention layer; false shares one across layers, as KERPLE's and T5's reference code do.
     """
@@ -55,7 +55,7 @@ class Fire(PositionalScheme):
     # scheme, not per tensor.
     weight_decay = False
     EPS = 1e-6  # the paper's code: added to the normaliser ψ(max(L_thr, i))
-    HIDDEN_ELEMENTS = 1 << 22  # bias(): largest hidden layer (rows · keys · mlp_width floats) built at once without grad
+    HIDDEN_ELEMENTS = 1 << 22  # pair_bias(): largest hidden layer (rows · keys · mlp_width floats) built at once without grad
 
     @dataclasses.dataclass
     class Config(PositionalScheme.Config):
@@ -110,7 +110,7 @@ class Fire(PositionalScheme):
             out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])  # (H, Tq, Tk)
         return score + out
 
-    def bias(self, q_pos, k_pos, dtype=torch.float32):
+    def pair_bias(self, q_pos, k_pos, dtype=torch.float32):
         """f_θ(x) for every (query, key) pair as matmuls, (H, Tq, Tk): the same bias as :meth:`score_mod`'s unrolled
         sum up to float rounding (another order of the sum), in far fewer operations; rows in chunks whose hidden
         layer (rows, Tk, W) stays within :data:`HIDDEN_ELEMENTS` floats when no gradient is taken."""
