@@ -103,6 +103,7 @@ class Context:
             flex with gradients, a scheme with learned parameters and no distance table (FIRE): its bias of every
             (query, key) pair (H, T, T), so that Flex's backward indexes each parameter once (Inductor refuses a
             score_mod that indexes a tensor needing gradients twice).
+        kernel_options: flex on CUDA with a table: Triton options for Flex's kernels (:data:`FLEX_TABLE_OPTIONS`).
     """
 
     scheme: PositionalScheme
@@ -117,6 +118,7 @@ class Context:
     block_mask: object = None
     score_mod: object = None
     table: torch.Tensor | None = None
+    kernel_options: dict | None = None
 
 
 def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32,
@@ -153,6 +155,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         if ctx.table is not None and ctx.table._base is not None:  # a view's gradient does not reach its base
             ctx.table = ctx.table.clone()  # through Flex's backward (torch 2.13): Flex gets a tensor of its own
         ctx.score_mod = _flex_score_mod(scheme, pos, ctx.table)
+        ctx.kernel_options = flex_kernel_options(device, ctx.table)
     elif kernel == "folded":
         if not scheme.key_only_bias:
             raise ValueError(f"the folded kernel needs a key-only bias; {type(scheme).__name__}.key_only_bias is False")
@@ -331,6 +334,7 @@ def _contextual_block(q, k, v, s: int, ctx: Context) -> torch.Tensor:
 
 _compiled_flex = None
 _block_masks: dict[tuple[int, str], object] = {}
+FLEX_TABLE_OPTIONS = {"num_stages": 2}  # CUDA, a score_mod reading a table (:func:`flex_kernel_options`)
 FLEX_VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
 
 
@@ -349,6 +353,13 @@ def _flex_score_mod(scheme: PositionalScheme, pos: torch.Tensor, table: torch.Te
         def score_mod(score, b, h, q_idx, kv_idx):  # the bias of query q_idx and key kv_idx
             return score + table[h, q_idx, kv_idx].to(score.dtype)
     return score_mod
+
+
+def flex_kernel_options(device: torch.device, table: torch.Tensor | None) -> dict | None:
+    """Triton options for Flex's kernels: :data:`FLEX_TABLE_OPTIONS` on CUDA when the score_mod reads a ``table``
+    (the first H100 run: Inductor's default three pipeline stages, with the table's loads fused in, asked for 240 KiB
+    of shared memory where the device has 227 KiB, and no configuration compiled), else Inductor's defaults (None)."""
+    return FLEX_TABLE_OPTIONS if device.type == "cuda" and table is not None else None
 
 
 def reset_compiled() -> None:
@@ -375,7 +386,8 @@ def _flex_attend(q, k, v, ctx: Context) -> torch.Tensor:
     the dense kernel, from then on."""
     global _compiled_flex, _flex_cpu_works
     if torch.compiler.is_compiling():  # inside a compiled model (train.compile): its compile covers Flex, whole
-        return flex_attention(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)  # (B, H, T, Dh)
+        return flex_attention(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask,
+                    kernel_options=ctx.kernel_options)  # (B, H, T, Dh)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     if q.device.type != "cpu":
@@ -396,4 +408,5 @@ def _run_flex(q, k, v, ctx: Context) -> torch.Tensor:
     """The compiled flex_attention call, under a recompile limit of :data:`FLEX_VARIANTS` that raises when reached:
     past Dynamo's limit it would run Flex's eager form, which materialises every (B, H, T, T) score."""
     with torch._dynamo.config.patch(recompile_limit=FLEX_VARIANTS, fail_on_recompile_limit_hit=True):
-        return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask)  # (B, H, T, Dh)
+        return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask,
+                    kernel_options=ctx.kernel_options)  # (B, H, T, Dh)

@@ -22,7 +22,8 @@
 #              device's datasheet bf16 peak (SKIP for a device not in the benchmark's PEAKS table)
 #
 # The zoo runs side by side (GPU_CHECK_JOBS at a time, default 8), beside the NCCL and resume checks; the benchmarks
-# run after them, alone on the GPU. GPU_CHECK_DEVICE=cpu is a dry run of the same plumbing on CPU at tiny sizes (no
+# run after them, alone on the GPU (GPU_CHECK_BENCH_SCHEMES: the model=small benchmark's schemes; GPU_CHECK_T_ZOO,
+# _T_SMALL, ...: each check's timeout in seconds). GPU_CHECK_DEVICE=cpu is a dry run of the same plumbing on CPU at tiny sizes (no
 # speed target means anything there). GPU_CHECK_KEEP=1 keeps the temporary folder (its path is printed first).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -55,6 +56,11 @@ else  # the dry run: tiny sizes, fp32, Dynamo's capture without code generation
           --compile --compile-backend eager --steps 2 --warmup 1 --repeats 1)
     T_VERSIONS=60 T_ZOO=300 T_NCCL=120 T_RESUME=180 T_SMALL=600 T_BASE=300
 fi
+for t in T_VERSIONS T_ZOO T_NCCL T_RESUME T_SMALL T_BASE; do  # GPU_CHECK_T_ZOO=120 etc.: a shorter timeout
+    v=GPU_CHECK_$t
+    [[ -n ${!v:-} ]] && declare "$t=${!v}"
+done
+read -r -a BENCH_SCHEMES <<<"${GPU_CHECK_BENCH_SCHEMES:-nope rope alibi t5 kerple_log fire sandwich}"
 COMMON=(train.device="$DEVICE" train.warmup_steps=2 train.sync_every=5 train.log_every=5 wandb.enabled=false)
 
 if [[ ${GPU_CHECK_PRINT_CONFIG:-0} == 1 ]]; then  # the overrides and flags below, one a line (tests/test_gpu_check.py)
@@ -254,7 +260,7 @@ emit resume 1 "$TMP/resume/report.txt"
 
 # ---- the benchmarks, alone on the device ------------------------------------------------------------------------
 timeout $T_SMALL "$PY" scripts/benchmark.py --device "$DEVICE" "${SMALL[@]}" \
-    --schemes nope rope alibi t5 kerple_log fire sandwich --out "$TMP/small.json" >"$TMP/small.txt" 2>&1
+    --schemes "${BENCH_SCHEMES[@]}" --out "$TMP/small.json" >"$TMP/small.txt" 2>&1
 rc=$?
 if ((rc)); then
     report FAIL bench "scripts/benchmark.py (model=small) exit $rc$( ((rc == 124)) && echo ' (timed out)'):" \

@@ -182,6 +182,27 @@ def test_four_flex_schemes_share_compiled_kernels_and_never_fall_back(monkeypatc
     attention.reset_compiled()
 
 
+def test_a_table_lowers_flexs_pipeline_stages_on_cuda_only(monkeypatch):
+    """On CUDA a score_mod that reads a table runs with fewer than Inductor's three pipeline stages (the first H100
+    run: no configuration fitted its shared memory); on CPU, or without a table, Inductor's defaults. The options
+    reach the flex_attention call."""
+    table = torch.zeros(H, 8)
+    assert attention.flex_kernel_options(torch.device("cuda"), table)["num_stages"] < 3
+    assert attention.flex_kernel_options(torch.device("cuda"), None) is None
+    assert attention.flex_kernel_options(torch.device("cpu"), table) is None
+    seen = []
+
+    def spy(q, k, v, score_mod, block_mask, kernel_options):
+        seen.append(kernel_options)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "_compiled_flex", spy)
+    monkeypatch.setattr(attention, "flex_kernel_options", lambda device, table: {"num_stages": 2, "table": table.shape})
+    with torch.no_grad():
+        model("t5")(torch.randint(0, 64, (1, 16)))
+    assert seen and all(options == {"num_stages": 2, "table": (H, 16)} for options in seen), seen
+
+
 def test_a_gpu_takes_larger_blocks_of_contextual_scores():
     """CoPE's blocks of scores: the CPU budget on CPU, a 16× larger one on CUDA (CPU-sized blocks leave a GPU
     launch-bound)."""
