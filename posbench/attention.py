@@ -13,7 +13,7 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
 
 * ``causal`` — no bias: ``F.scaled_dot_product_attention(is_causal=True)``.
 * ``flex``   — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias
-  that is not key-only: FlexAttention (``torch.nn.attention.flex_attention``, PyTorch ≥ 2.5; Dong et al.
+  that is neither key-only nor a per-distance table (FIRE): FlexAttention (``torch.nn.attention.flex_attention``, PyTorch ≥ 2.5; Dong et al.
   2024, arXiv:2412.05496) with a causal BlockMask (cached per length) and a score_mod that looks the bias up in a
   table built once per forward pass — per distance (H, N) for a ``distance_table`` scheme; per (query, key) pair
   (H, T, T) for a learned bias of i and j when gradients are on (FIRE) — or, otherwise, the scheme's own
@@ -29,6 +29,13 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   fp32 keeps ~1e-6, where one c for 8192 positions loses ~1e-4. A window of one block runs causal SDPA;
   without gradients a longer one runs, per block, a causal diagonal square and the unmasked keys before it,
   merged by their log-sum-exps; with gradients, each block against all its keys with a causal float mask.
+* ``banded`` — on CPU without gradients, a per-distance bias that is constant per head past a distance D
+  (``far_constant``; T5 past ``max_distance``), in float32/float64. Per block of :data:`FOLD_QUERIES` queries
+  [s, e), the keys j ≤ s − D all carry that head's constant c_h: one unmasked SDPA over them, whose log-sum-exp
+  takes + c_h. The keys after them carry the table's bias, indexed by i − j, and the causal mask: one SDPA with a
+  float mask of (H, e − s, e − s + D − 1). Both outputs are merged by their log-sum-exps, as in ``folded``. With
+  positions 0…T−1 plus an offset, every block's mask is a slice of one (H, Q, Q + D − 1) pattern built once per
+  forward pass. Otherwise (randomized positions, which must increase) each layer builds each block's mask.
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
   causal mask (``scheme.pair_bias``, or the per-distance table indexed by i − j) materialised one block of queries
   at a time (at most :data:`BIAS_ELEMENTS` floats), built once
@@ -47,7 +54,8 @@ gradients to learned parameters used in ``score_mod`` (Flex on CPU is never chos
 Measured (model=tiny: 4 layers, D 128, 4 heads, V 4096; 2 CPU threads, fp32, batch 1, no-grad forward, time
 over causal SDPA's): ALiBi folded 1.10× at 2048 tokens and 1.20× at 8192; the same bias through Flex compiled
 on CPU 1.30× and 1.57× (plus ~7 s of compilation per length), through the dense kernel 2.43× and 4.00×.
-Hence CPU runs ALiBi folded, and Flex for evaluation of a bias that cannot fold. CoPE through the contextual
+Hence CPU runs ALiBi folded, a per-distance bias banded (evaluation), and Flex for evaluation of a bias of i and
+j (FIRE). CoPE through the contextual
 kernel: see scripts/benchmark.py for its cost against causal SDPA.
 """
 
@@ -66,7 +74,7 @@ BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys float
 FOLD_QUERIES = 256  # folded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
 CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
 CONTEXT_ELEMENTS_CUDA = 1 << 26  # the same on a GPU, 256 MiB: blocks of a CPU's size leave a GPU launch-bound
-KERNELS = ("causal", "flex", "folded", "dense", "contextual")
+KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual")
 ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: a factor on the queries before any kernel (model.GPT)
 log = logging.getLogger("posbench")
 
@@ -95,7 +103,9 @@ class Context:
             position, in the activations' dtype.
         fold_mask: folded, several blocks, gradients on: (Q, T + Q), zeros then a square of −inf above the
             diagonal; block [s, e) takes the view [: e − s, T − s : T + e − s] (0 before key s, causal after).
-        masks: dense: per block, bias + causal mask (H, end − start, end), or None when they do not all fit
+        far: banded: D, the distance from which the bias is the constant ``far_bias`` (H,) of each head.
+        masks: banded, positions 0…T−1 plus an offset: one pattern (H, Q, Q + D − 1) (:func:`_banded_masks`);
+            dense: per block, bias + causal mask (H, end − start, end), or None when they do not all fit
             in :data:`BIAS_ELEMENTS` (then each layer builds them one block at a time).
         block_mask, score_mod: flex: the causal BlockMask of length T and the score_mod with Flex's signature
             (:func:`_flex_score_mod`).
@@ -115,6 +125,8 @@ class Context:
     key_bias: list[torch.Tensor] | None = None
     fold_mask: torch.Tensor | None = None
     masks: list[torch.Tensor] | None = None
+    far: int = 0
+    far_bias: torch.Tensor | None = None
     block_mask: object = None
     score_mod: object = None
     table: torch.Tensor | None = None
@@ -144,7 +156,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout)
-    if kernel in ("flex", "dense") and scheme.distance_table:
+    if kernel in ("flex", "dense", "banded") and scheme.distance_table:
         ctx.table = distance_table(scheme, pos, dtype, span)  # (H, N)
     if kernel == "flex":
         if flex_attention is None or dropout or (grad and not flex_backward(device)):
@@ -169,6 +181,18 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             Q = FOLD_QUERIES
             ctx.fold_mask = torch.zeros(Q, T + Q, dtype=dtype, device=device)  # (Q, T+Q)
             ctx.fold_mask[:, T:] = torch.full((Q, Q), float("-inf"), dtype=dtype, device=device).triu(1)
+    elif kernel == "banded":
+        increasing = span == T or bool((pos[1:] > pos[:-1]).all())  # (the model's default positions: 0…T−1)
+        if _flash_cpu is None or not scheme.distance_table or not increasing:
+            raise ValueError("the banded kernel needs torch's fused CPU attention, a distance_table scheme and "
+                             "increasing positions")
+        ctx.blocks = [(s, min(T, s + FOLD_QUERIES)) for s in range(0, T, FOLD_QUERIES)]
+        ctx.far = scheme.far_distance if scheme.far_constant else T  # (T: no key is far)
+        if scheme.far_constant:
+            far = torch.tensor([ctx.far], device=device)
+            ctx.far_bias = scheme.pair_bias(far, torch.zeros_like(far), ctx.table.dtype)[:, 0, 0]  # (H,): distance D
+        if span == T or int(pos[-1] - pos[0]) == T - 1:  # 0…T−1 plus an offset: one pattern serves every block
+            ctx.masks = [_banded_pattern(ctx.table, min(FOLD_QUERIES, T), ctx.far, dtype)]
     elif kernel == "dense":
         ctx.blocks = _dense_blocks(T, n_head)
         if n_head * T * T <= BIAS_ELEMENTS:  # the whole mask fits the budget: build it once for all layers
@@ -194,6 +218,9 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
         return "flex"
     if device.type == "cpu" and scheme.key_only_bias and dtype in (torch.float32, torch.float64):
         return "folded"  # (an 8-bit mantissa would round a folded bias of 64 by 0.25)
+    wide = dtype in (torch.float32, torch.float64)
+    if device.type == "cpu" and scheme.distance_table and not grad and not dropout and wide and _flash_cpu is not None:
+        return "banded"
     if device.type == "cpu" and flex and not grad and _flex_cpu_works:
         return "flex"
     return "dense"
@@ -208,6 +235,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> t
         return F.scaled_dot_product_attention(q, k, v, dropout_p=ctx.dropout, is_causal=True)  # (B, H, T, Dh)
     if ctx.kernel == "folded":
         return _folded(q, k, v, ctx)
+    if ctx.kernel == "banded":
+        return _banded(q, k, v, ctx)
     if ctx.kernel == "flex":
         return _flex_attend(q, k, v, ctx)
     if ctx.kernel == "contextual":
@@ -244,6 +273,41 @@ def _folded(q, k, v, ctx: Context) -> torch.Tensor:
         out.append(F.scaled_dot_product_attention(qf[:, :, s:e], kf, vf[:, :, :e], attn_mask=mask,
                                                   dropout_p=ctx.dropout, scale=1.0))  # (B, H, e-s, Dh+1)
     return torch.cat(out, dim=2)[..., :Dh]  # (B, H, T, Dh)
+
+
+# ---- banded: a bias constant past a distance, the far keys unmasked -----------------------------------------------
+
+
+def _banded_pattern(table: torch.Tensor, Q: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """The near keys' bias and causal mask of a query block at positions 0…T−1 plus an offset, rows reversed, as a
+    view of one (H, 2Q + D − 2) tensor: (H, Q, Q + D − 1), row Q − 1 − r (query s + r) against column c (key
+    s − D + 1 + c) holding the bias of distance r + D − 1 − c, −inf for a later key. (Reversed rows make it a
+    sliding window, ``unfold``, with no copy.)"""
+    x = torch.arange(-(Q - 1), D, device=table.device)  # c − r of the rows and columns
+    near = table[:, (D - 1 - x).clamp(0, table.shape[-1] - 1)].to(dtype)  # (H, Q + D - 1)
+    later = torch.full((table.shape[0], Q - 1), float("-inf"), dtype=dtype, device=table.device)  # c − r ≥ D
+    return torch.cat((near, later), dim=1).unfold(1, Q + D - 1, 1)  # (H, Q, Q + D - 1)
+
+
+def _banded(q, k, v, ctx: Context) -> torch.Tensor:
+    """Per query block [s, e): the near keys (the table's bias, causal) and, for a far_constant scheme, the far keys
+    0…s − D (bias c_h, unmasked), merged by their log-sum-exps (module docstring)."""
+    D, H = ctx.far, q.shape[1]
+    y = torch.empty_like(q)  # (B, H, T, Dh)
+    for s, e in ctx.blocks:
+        a = max(0, s - D + 1)  # the first near key
+        if ctx.masks:  # the pattern's rows reversed: the block's queries go in reversed, come out reversed back
+            Q, first = ctx.masks[0].shape[1], a - (s - D + 1)  # key j is column j − (s − D + 1)
+            mask, qb = ctx.masks[0][:, Q - (e - s):, first: first + e - a], q[:, :, s:e].flip(2)  # (H, e-s, e-a)
+        else:
+            mask, qb = dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, ctx.table)[:, :, a:], q[:, :, s:e]
+        yb, lse = _flash_cpu(qb, k[:, :, a:e], v[:, :, a:e], 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
+        if a:  # the far keys: weight of the near ones = sigmoid(lse_near − lse_far − c_h)
+            y_far, lse_far = _flash_cpu(qb, k[:, :, :a], v[:, :, :a], 0.0, False)  # (B, H, e-s, Dh), (B, H, e-s)
+            w = torch.sigmoid(lse - lse_far - ctx.far_bias[:, None].to(lse.dtype))  # (B, H, e-s)
+            yb = torch.lerp(y_far, yb, w[..., None].to(yb.dtype))
+        y[:, :, s:e] = yb.flip(2) if ctx.masks else yb
+    return y  # (B, H, T, Dh)
 
 
 # ---- dense: bias + causal mask, one block of queries at a time -------------------------------------------

@@ -4,7 +4,7 @@ A run whose step cannot fit (``train.seq_len=100000`` on model=tiny: terabytes) 
 not left to swap for hours. The job knows the model spec, the batch, the length and the device before it builds
 anything; this module turns them into a byte count and compares it with what the device can give now:
 
-    kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # "causal", "folded", "dense" or "flex"
+    kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # one of attention.KERNELS
     parts = step_bytes(spec, batch_size=16, seq_len=128, kernel=kernel)    # {"weights": …, …, "total": …} bytes
     free, what = available_bytes("cpu")                                    # (bytes, "MemAvailable of /proc/meminfo")
     check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
@@ -42,6 +42,9 @@ b = ``dtype_bytes``; every figure is in bytes):
   learned bias too, and this part then overcounts.) A per-layer scheme (``per_layer``: FIRE's default) has one
   set of masks and one bias graph per layer, all alive through the forward pass: × n_layer when built once.
   Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
+  ``banded`` (evaluation only): the per-distance table and the mask pattern, O(H·T) values; with positions that
+  are not 0…T−1 plus an offset, one block's mask (H, Q, T); the output y (B, H, T, Dh) and one block's two
+  partial outputs.
   ``contextual`` (CoPE): every (query, key) pair of the query blocks, Σ_blocks Q·end "pairs" per batch row and head
   (T² for one block, towards T²/2 for many). Training keeps per layer what autograd saves per pair (the gates, the
   positions, their int64 floor, the interpolation weight and term, the probabilities: 28 bytes in fp32), measured
@@ -204,6 +207,9 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
             return 4 * B * H * T * Dh1 * b + lse  # q', k', v', y: (B, H, T, Dh+1)
         keys = sum(e for _, e in _fold_blocks(T))  # Σ end: the keys copied for each query block
         return L * (B * H * Dh1 * (3 * T + keys) * b + lse)
+    if kernel == "banded":  # evaluation: table and pattern, one block's mask, the output and a block's partials
+        Q = min(attention.FOLD_QUERIES, T)
+        return (3 * H * T + H * Q * T) * b + B * H * (T + 2 * Q) * (D // H) * b + lse
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training)
     if kernel == "contextual":

@@ -70,6 +70,7 @@ def measured_step(scheme: str, B: int, T: int, mode: str) -> int:
     ("rope", 4, 1024, "train", "causal"),  # measured ~300 MB, ~5 s on 2 cores
     ("t5", 2, 1024, "train", "dense"),  # probabilities of 4 layers (128 MiB) dominate: ~330 MB, ~5 s
     ("rope", 32, 1024, "eval", "causal"),  # no grad: one layer's tensors, ~200 MB, ~4 s
+    ("kerple_log", 32, 1024, "eval", "banded"),  # the same plus the output and a block's partials
     ("cope", 2, 1024, "train", "contextual"),  # every pair's gates, positions, index, probabilities: ~1.4 GB, ~10 s
 ])
 def test_estimate_within_factor_two_of_measured_peak(scheme, B, T, mode, kernel):

@@ -234,7 +234,41 @@ def test_the_model_s_kernel_choice(name):
     cpu = torch.device("cpu")
     assert attention.choose_kernel(s, cpu, torch.float32, 0.0, True) == "dense"  # CPU training
     evaluation = attention.choose_kernel(s, cpu, torch.float32, 0.0, False)
-    assert evaluation == ("flex" if attention.flex_attention is not None and attention._flex_cpu_works else "dense")
+    if name in INVARIANT:  # a per-distance table: the banded kernel (fused CPU attention with a sliding mask)
+        assert evaluation == "banded"
+    else:
+        assert evaluation == ("flex" if attention.flex_attention is not None and attention._flex_cpu_works else "dense")
+
+
+@pytest.mark.parametrize("positions", ["offset", "random"])
+@pytest.mark.parametrize("name", INVARIANT)
+def test_the_banded_kernel_over_many_blocks_and_far_keys(name, positions, monkeypatch):
+    """CPU evaluation of the per-distance biases: blocks of 5 queries, T = 4L, positions 0…T−1 + 9 (one mask pattern
+    for every block) or random increasing ones (a mask per block); T5 with max_distance 6, so most keys of most
+    blocks are far (constant bias, unmasked, merged by log-sum-exp). Equal to the float64 reference."""
+    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+    s = make_scheme(name, **({"num_buckets": 4, "max_distance": 6} if name == "t5" else {}))
+    T = 4 * L
+    q, k, v = qkv(T, seed=11)
+    g = torch.Generator().manual_seed(5)
+    pos = torch.arange(T) + 9 if positions == "offset" else torch.randperm(3 * T, generator=g)[:T].sort().values
+    with torch.no_grad():
+        ctx = attention.context(s, pos, H, q.dtype)
+        y = attention.attend(q, k, v, ctx)
+    assert ctx.kernel == "banded" and len(ctx.blocks) == -(-T // 5)
+    assert ctx.far == (6 if name == "t5" else T)
+    if positions == "offset":  # one (H, Q, Q + D − 1) pattern, a view of H · (2Q + D − 2) numbers: no T × T anywhere
+        assert ctx.masks[0].shape == (H, 5, 5 + ctx.far - 1)
+        assert ctx.masks[0].untyped_storage().nbytes() == H * (2 * 5 + ctx.far - 2) * 4
+    else:
+        assert ctx.masks is None
+    assert_close(y.double(), reference(name, s, q, k, v, pos), **TOL)
+
+
+def test_the_banded_kernel_refuses_positions_that_do_not_increase():
+    pos = torch.arange(L).flip(0)
+    with pytest.raises(ValueError, match="increasing positions"):
+        attention.context(make_scheme("t5"), pos, H, kernel="banded")
 
 
 @pytest.mark.parametrize("kernel", [None, "dense"], ids=["auto", "dense"])

@@ -72,6 +72,9 @@ class PositionalScheme(nn.Module):
             into the table's H·N entries, where indexing the parameters themselves in ``score_mod`` would contend for
             a few addresses or (an MLP's weights indexed once per hidden unit) not compile at all. False here, and for
             ALiBi, whose bias is one multiply.
+        far_constant: a ``distance_table`` bias that is the same for every distance from :attr:`far_distance` on
+            (T5 past ``max_distance``): CPU evaluation then attends to those keys without a bias and adds the
+            head's constant to their log-sum-exp (the ``banded`` kernel). False here.
         weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
         fine_tune_options: the options a run started from this scheme's trained weights (``init_from``,
             posbench/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
@@ -86,6 +89,7 @@ class PositionalScheme(nn.Module):
     has_bias: bool = False
     key_only_bias: bool = False
     distance_table: bool = False
+    far_constant: bool = False
     contextual: bool = False
     weight_decay: bool = False
     fine_tune_options: tuple[str, ...] = ()  # options a run started from this scheme's weights may change (init_from)

@@ -52,6 +52,7 @@ class T5Bias(PositionalScheme):
 
     has_bias = True
     distance_table = True  # the kernels look the bias up by i − j in an (H, N) table built once per forward pass
+    far_constant = True  # every distance from max_distance on shares the last bucket (:attr:`far_distance`)
     # Not decayed: the table is B·H scalars that *are* the positional prior (like ALiBi's slopes, not a weight
     # matrix); decay would pull every distance towards a flat bias. T5 itself trained with AdaFactor, no decay.
     weight_decay = False
@@ -77,6 +78,11 @@ class T5Bias(PositionalScheme):
         self.weight = nn.Parameter(torch.randn(B, n_head) * d_model ** -0.5)  # (B, H)
         buckets = torch.tensor([t5_bucket(n, B, M) for n in range(M + 1)])  # (M + 1,) int64: bucket of distance n
         self.register_buffer("buckets", buckets, persistent=False)
+
+    @property
+    def far_distance(self) -> int:
+        """D: every distance n ≥ D has the bias of D (the last bucket; :func:`t5_bucket`)."""
+        return self.config.max_distance
 
     def score_mod(self, score, h, q_pos, k_pos):
         n = (q_pos - k_pos).clamp(0, self.config.max_distance)  # distance i − j, future keys as 0; (…) int
