@@ -191,15 +191,25 @@ def _report(argv: list[str]) -> None:
 COMMANDS = {"train": (_train, "train"), "eval": (_eval, "eval")}
 
 
+INTERRUPTED = {  # command → what Ctrl-C outside the training loop says after "posbench: interrupted (Ctrl-C)"
+    "train": "; a training run resumes from its last saved state when run again in the same folder "
+             "(hydra.run.dir=<its folder>)",
+    "eval": " during posbench eval: the evaluation stopped, and an evaluation writes its eval-*.json only when it "
+            "finishes; to evaluate, run the same posbench eval command again (it starts over; the run's own files "
+            "are untouched)",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``posbench`` console script and of ``python -m posbench``. Ctrl-C outside the training
-    loop (which saves a checkpoint first: posbench/signals.py) leaves with one line and status 130, no traceback."""
+    loop (which saves a checkpoint first: posbench/signals.py) leaves with one line (:data:`INTERRUPTED`: what to
+    run again for the command interrupted) and status 130, no traceback."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        _main(sys.argv[1:] if argv is None else argv)
+        _main(argv)
     except KeyboardInterrupt:
         dist.finish(together=False)
-        print("posbench: interrupted (Ctrl-C); a training run resumes from its last saved state when run again in "
-              "the same folder (hydra.run.dir=<its folder>)", file=sys.stderr)
+        print(f"posbench: interrupted (Ctrl-C){INTERRUPTED.get(argv[0] if argv else '', '')}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
 
 

@@ -99,8 +99,9 @@ def run(job: EvalJob, progress=None) -> dict:
     """Score ``job`` and return its record, written (rank 0; under torchrun the windows are sharded) to a new
     ``eval-<label>-<protocol>-<split>-<n>.json`` claimed exclusively, so earlier results are never overwritten and
     two evaluations started together write two files. The record's config holds the job's settings, and
-    ``scheme_overrides`` lists the changed options (absent when the model is the trained one as it was).
-    ``progress``: an optional callable(str) told which length is being scored."""
+    ``scheme_overrides`` lists the changed options (absent when the model is the trained one as it was); an
+    exception while writing (Ctrl-C) removes the claimed files. ``progress``: an optional callable(str) told which
+    length is being scored."""
     device, threads, e = resolve_device(job.device), set_threads(job.threads), job.config.eval
     rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
                     e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
@@ -117,7 +118,13 @@ def run(job: EvalJob, progress=None) -> dict:
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)
     if dist.rank() == 0:
-        path = results.write_results(job.run_dir, rec, results.new_eval_stem(job.run_dir, rec["label"], e.protocol, e.split))
+        stem = results.new_eval_stem(job.run_dir, rec["label"], e.protocol, e.split)
+        try:
+            path = results.write_results(job.run_dir, rec, stem)
+        except BaseException:  # (Ctrl-C while writing) no half-written file left to read as a result
+            for suffix in (".json", ".csv"):
+                (job.run_dir / f"{stem}{suffix}").unlink(missing_ok=True)
+            raise
         print(results.run_table(rec) + f"\n\nwritten: {path}", flush=True)
     return rec
 

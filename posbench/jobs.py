@@ -56,9 +56,34 @@ def one_line(err: Exception) -> str:
             options = ", ".join(SCHEMES[scheme].options()) or "none"
             return f"{key} is not an option of the {scheme} scheme; its options: {options}"
         return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
+    if key and "is not a ListConfig, list or tuple" in text:  # `eval.probes=passkey`: a value where a list goes
+        return f"{key}={err.value}: {key} must be a list, e.g. '{key}=[{err.value}]' (quoted, for the shell)"
     if key and "could not be converted" in text:
         return f"{key}: {text.replace('Value', 'value', 1)}"
     return f"{key}: {text}" if key else text
+
+
+TRAIN_GROUPS = ("scheme", "model", "data", "experiment", "debug", "tricks", "extend")  # conf/'s groups, train's only
+
+
+def check_eval_overrides(overrides: list[str]) -> None:
+    """Raise Refused for a ``posbench eval`` override that picks an option of one of training's config groups
+    (``scheme=alibi``, ``model=small``): an evaluation scores the run's trained model as it was built. An override
+    Hydra cannot parse is left to composition, which names it."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # (Hydra's OverrideParseException)
+        return
+    for o in parsed:
+        group = o.key_or_group.split("@")[0]
+        if group == "scheme":
+            raise Refused(f"{o.input_line}: the scheme cannot be changed by posbench eval (it scores the run's trained "
+                          "weights); it takes options of the run's scheme only, e.g. scheme.scaling=yarn "
+                          "scheme.factor=4 on a rotary run (see them with: posbench train scheme=<name> --cfg job)")
+        if group in TRAIN_GROUPS:
+            raise Refused(f"{o.input_line}: the {group} cannot be changed by posbench eval (it scores the run's "
+                          "trained model); it takes eval.*, device, threads and options of the run's scheme "
+                          "(scheme.<option>=…)")
 
 
 def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:
@@ -135,6 +160,8 @@ def prepare_all(argv: list[str], config_name: str) -> None:
     if any(f not in ("-m", "--multirun") for f in flags):
         return  # --cfg, --help, --info ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
+    if config_name == "eval":
+        check_eval_overrides(overrides)
     PREPARED.clear()
     message, jobs, folder = "", [], None
     try:

@@ -96,11 +96,10 @@ def passkey_tables(cells: list[dict]) -> str:
         sub = [c for c in cells if c["table"] == table]
         probe, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
         keys = probe.get("keys", "frequent")
-        kinds = {"digits": "digits", "frequent": "frequent words", "reserved": "tokens absent from training"}
         share = f" ({probe['key_fraction']:.2%} of the split's tokens are key tokens)" if "key_fraction" in probe else ""
         lines = [f"### P{table}. {probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from "
-                 f"{probe['key_vocab']} {kinds.get(keys, keys)}{share}, marker {probe['marker']!r}, probe seed "
-                 f"{probe['seed']}", "",
+                 f"{probe['key_vocab']} {retrieval.KEY_KINDS.get(keys, keys)}{share}, marker {probe['marker']!r}, "
+                 f"probe seed {probe['seed']}", "",
                  "| | " + " | ".join(map(str, lengths)) + f" | within L | gain at {lengths[-1]} |",
                  "|---" * (len(lengths) + 3) + "|"]
         for setting in dict.fromkeys(c["setting"] for c in sub):

@@ -1,7 +1,7 @@
 """One run's results: its record and the files it is written to (docs/design.md §7).
 
 A finished ``posbench train`` writes ``results.json`` (the record) and ``results.csv`` (one row per evaluation
-length, :data:`CSV_COLUMNS`) into its run folder; each ``posbench eval`` adds an
+length, and per passkey probe length, :data:`CSV_COLUMNS`) into its run folder; each ``posbench eval`` adds an
 ``eval-<label>-<protocol>-<split>-<n>.json``/``.csv`` pair beside them (:func:`new_eval_stem`). The record
 (format :data:`FORMAT`) holds what ran — scheme, variant label, model, data, train length L, evaluation lengths,
 protocol, stride, split, seed, tokens and time trained, environment, and the fields its caller adds
@@ -20,11 +20,12 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from posbench import context
+from posbench import context, retrieval
 from posbench.schemes import variant_label
 
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
@@ -32,7 +33,11 @@ FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the s
 READABLE = (1, 2, 3, 4)  # carry window_nll / window_tokens. Older records are read too (posbench.upgrade.upgrade)
 CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", "stride", "split", "scored_split", "ppl",
                "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads",
-               "context_diff", "context_ci_low", "context_ci_high"]  # context_*: eval.probes=[context], lengths past L
+               "context_diff", "context_ci_low", "context_ci_high",  # context_*: eval.probes=[context], lengths past L
+               "passkey_trials", "passkey_correct", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high",
+               "passkey_gain"]  # passkey_*: eval.probes=[passkey], its probe lengths (exact match, Wilson 95% interval)
+PASSKEY_CSV = {"trials": "n", "correct": "correct", "accuracy": "accuracy", "ci_low": "ci_low", "ci_high": "ci_high",
+               "gain": "gain"}  # results.csv's passkey_<column> → posbench.retrieval.run_cells' key
 
 
 def record(config: dict, rows: list[dict], label: str, split: str, train_tokens: int, train_seconds: float,
@@ -77,31 +82,43 @@ def tricks_label(config: dict) -> str:
 
 
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
-    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length, with the context probe's
-    difference and interval at the lengths it measured); return the JSON path."""
+    """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length, in length order, with the
+    context probe's difference and interval at the lengths it measured, and the passkey probe's exact-match accuracy
+    and Wilson interval at its probe lengths: a length probed but not scored for perplexity (``eval.passkey.lengths``)
+    gets a row of its own with empty perplexity cells); return the JSON path."""
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(rec, indent=1))
-    probed = {r["length"]: {f"context_{k}": r[k] for k in ("diff", "ci_low", "ci_high")}
-              for r in (rec.get("context") or {}).get("rows", [])}
+    probed = defaultdict(dict)
+    for r in (rec.get("context") or {}).get("rows", []):
+        probed[r["length"]].update({f"context_{k}": r[k] for k in ("diff", "ci_low", "ci_high")})
+    for c in retrieval.run_cells(rec["passkey"]) if rec.get("passkey") else []:
+        probed[c["length"]].update({f"passkey_{k}": c[v] for k, v in PASSKEY_CSV.items()})
+    rows = {row["length"]: row for row in rec["results"]}
     with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
-        for row in rec["results"]:
-            w.writerow({**rec, **row, **probed.get(row["length"], {})})
+        for length in sorted(rows.keys() | probed.keys()):
+            w.writerow({**rec, "length": length, **rows.get(length, {}), **probed[length]})
     return path
 
 
 def new_eval_stem(run_dir: Path, label: str, protocol: str, split: str) -> str:
-    """``eval-<label>-<protocol>-<split>-<n>`` (``×`` written ``x``) with the first n not yet taken, claimed by
-    creating ``<stem>.json`` exclusively: two evaluations started together get different files, and no file is
-    ever overwritten by another evaluation. The caller then writes the claimed (empty) file."""
-    base = f"eval-{label.replace('×', 'x')}-{protocol}-{split}"
+    """``eval-<label>-<protocol>-<split>-<n>`` (:func:`file_label`: ``rope+yarnx4_ft512x200``) with the first n not
+    yet taken, claimed by creating ``<stem>.json`` exclusively: two evaluations started together get different
+    files, and no file is ever overwritten by another evaluation. The caller then writes the claimed (empty) file."""
+    base = f"eval-{file_label(label)}-{protocol}-{split}"
     for n in itertools.count(1):
         try:
             with open(run_dir / f"{base}-{n}.json", "x"):
                 return f"{base}-{n}"
         except FileExistsError:
             continue
+
+
+def file_label(label: str) -> str:
+    """A run label as a file name's part: ``×`` written ``x``, ``→`` written ``-to-``, whitespace ``_``, so that a
+    fine-tuned run's ``rope→nope ft512×200`` names ``rope-to-nope_ft512x200`` (no space to quote in a shell)."""
+    return "_".join(label.replace("×", "x").replace("→", "-to-").split())
 
 
 def _base(rec: dict) -> dict:
@@ -111,11 +128,14 @@ def _base(rec: dict) -> dict:
 
 def run_table(rec: dict) -> str:
     """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored; then the
-    context probe's table when the record has one (posbench/context.py)."""
+    passkey probe's table (posbench/retrieval.py) and the context probe's (posbench/context.py) when the record has
+    them."""
     base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
     lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {split_text(rec)})",
              f"{'length':>8} {'ppl':>10} {'ppl/ppl(L)':>11} {'tokens':>8}"]
     lines += [f"{r['length']:>8} {r['ppl']:>10.2f} {r['ppl'] / base['ppl']:>11.2f} {r['tokens']:>8}" for r in rec["results"]]
+    if rec.get("passkey"):
+        lines += ["", retrieval.table(rec["passkey"])]
     if rec.get("context"):
         lines += ["", context.table(rec["context"])]
     return "\n".join(lines)

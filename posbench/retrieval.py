@@ -7,7 +7,8 @@
   probed on, against the best row;
 * validity: a row whose accuracy in windows no longer than its train length L is below the probe's threshold "does
   not retrieve within L" and is not ranked at lengths past L;
-* :func:`by_distance`, :func:`by_depth` and :func:`probe_curves` — what the plots draw.
+* :func:`by_distance`, :func:`by_depth` and :func:`probe_curves` — what the plots draw;
+* :func:`run_cells` and :func:`table` — one run's probe, as ``results.csv`` and the terminal show it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import defaultdict
 
 from posbench import stats
 
+KEY_KINDS = {"digits": "digits", "frequent": "frequent words", "reserved": "tokens absent from training"}  # in words
 DISTANCE_BINS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # needle-to-query distance in units of L
 
 
@@ -81,6 +83,36 @@ def cells(records: list[dict]) -> list[dict]:
             _rank([c for c in mine_cells if c["length"] == length and c["ranked"]], rows, length)
         out += mine_cells
     return out
+
+
+def run_cells(probe: dict) -> list[dict]:
+    """One record's probe (its ``passkey``: posbench/passkey.py ``record``) as :func:`cells` counts it, one dict per
+    probe length, in length order: ``length``, ``n``, ``correct``, ``accuracy`` with its Wilson 95% interval
+    (``ci_low``, ``ci_high``), ``gain``, ``within_L`` and ``valid`` (one row: nothing ranked or tested)."""
+    return cells([{"passkey": probe, "setting": "", "order": 0, "seed": probe["settings"].get("seed")}])
+
+
+def table(probe: dict) -> str:
+    """One record's probe as a terminal table: per probe length, trials, keys retrieved, exact-match accuracy with
+    its Wilson 95% interval and the mean retrieval gain; then the accuracy within L against the probe's threshold."""
+    s, rows = probe["settings"], run_cells(probe)
+    keys = s.get("keys", "frequent")  # (a record from before eval.passkey.keys drew frequent words)
+    lines = [f"passkey retrieval ({s.get('split', 'validation')} split; key of {s['key_length']} tokens from "
+             f"{s['key_vocab']} {KEY_KINDS.get(keys, keys)}; {s['trials']} trials × {len(s['depths'])} depths per "
+             "length): exact match of the key, Wilson 95% interval; gain: the key's log-probability minus the "
+             "control's, nats/token",
+             f"{'length':>8} {'trials':>7} {'correct':>8} {'accuracy':>9} {'95% interval':>16} {'gain':>8}"]
+    for c in rows:
+        ci = f"[{c['ci_low']:.0%}, {c['ci_high']:.0%}]"
+        lines.append(f"{c['length']:>8} {c['n']:>7} {c['correct']:>8} {c['accuracy']:>9.0%} {ci:>16} "
+                     f"{c['gain']:>+8.3f}")
+    within = rows[0]["within_L"] if rows else None
+    if within is None:
+        lines.append(f"no probe length <= L={s['train_length']}: retrieval within L is not measured")
+    else:
+        lines.append(f"within L={s['train_length']}: {within:.0%} (threshold {s['threshold']:.0%}): "
+                     + ("retrieves within L" if rows[0]["valid"] else "does not retrieve within L"))
+    return "\n".join(lines)
 
 
 def _rank(column: list[dict], rows: dict[str, dict], length: int) -> None:

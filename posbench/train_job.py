@@ -133,7 +133,8 @@ def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
 def needle_of(cfg: DictConfig, corpus: data.Corpus) -> passkey.Needle | None:
     """The passkey needle of ``cfg.eval.passkey`` in the corpus's tokenizer when the job trains or probes with it,
     else None. Raises ConfigError: options the tokenizer cannot serve (``posbench.passkey.make_needle``), probe
-    lengths too short for a needle and a query, or training windows too short for ``data.passkey_pairs`` of them."""
+    lengths too short for a needle and a query, or, with ``data.passkey_rate`` > 0, training windows too short for
+    ``data.passkey_pairs`` of them (the message names the window length they need)."""
     p, d = cfg.eval.passkey, cfg.data
     probing = "passkey" in cfg.eval.probes
     if not (d.get("passkey_rate") or probing):
@@ -145,11 +146,13 @@ def needle_of(cfg: DictConfig, corpus: data.Corpus) -> passkey.Needle | None:
             passkey.trials(len(corpus.tokens[cfg.eval.split]), needle, list(p.lengths), list(p.depths), 1, p.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    pairs, width = d.get("passkey_pairs", 1), cfg.train.seq_len + 1
-    if d.get("passkey_rate") and pairs * (needle.needle_length + needle.query_length) > width:
-        raise ConfigError(f"data.passkey_pairs={pairs} needle + query pairs take {pairs} × "
-                          f"{needle.needle_length + needle.query_length} tokens, more than a training window of "
-                          f"train.seq_len + 1 = {width}: lower data.passkey_pairs or raise train.seq_len")
+    pairs, width, pair = d.get("passkey_pairs", 1), cfg.train.seq_len + 1, needle.needle_length + needle.query_length
+    if d.get("passkey_rate") and pairs * pair > width:  # (passkey.insert would leave every window without needles)
+        fix = "raise train.seq_len" + (" or lower data.passkey_pairs" if pairs > 1 else ", or drop data.passkey_rate")
+        raise ConfigError(f"data.passkey_rate={d.passkey_rate}: data.passkey_pairs={pairs} needle + query pairs take "
+                          f"{pairs} × {pair} tokens, more than a training window of train.seq_len + 1 = {width}; "
+                          f"needles need a window of at least {pairs * pair} tokens (train.seq_len >= "
+                          f"{pairs * pair - 1}): {fix}")
     return needle
 
 
