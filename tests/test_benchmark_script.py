@@ -30,10 +30,11 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     # nope (the baseline) is added; 64 = 16L is where a bias scheme's evaluation targets apply
     args = [*TINY, "--schemes", "alibi", "rope", "--lengths", "4", "64", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "targets met" in proc.stdout and "alibi step / rope step" in proc.stdout
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    assert "targets met" in proc.stdout and "step×rope" in proc.stdout
 
     r = json.loads(out.read_text())
+    assert proc.returncode == (0 if r["all_targets_met"] else 1)  # a missed target fails the run
     assert set(r) == {"machine", "settings", "matmul_ceiling_gflops", "matmul_seconds_all", "ceiling_matmul", "flops", "train",
                       "alibi_step_x_rope", "eval", "targets", "all_targets_met", "source_changed", "peak",
                       "dynamo_in_timed_steps"}
@@ -60,22 +61,25 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     # the ceiling target for each scheme, ALiBi's step against RoPE's, ALiBi's time and memory at 16L (no 64L here)
     where = sorted((t["scheme"], t.get("length", 0)) for t in r["targets"])
     assert where == [("alibi", 0), ("alibi", 0), ("alibi", 64), ("alibi", 64), ("nope", 0), ("rope", 0)]
+    step = next(t for t in r["targets"] if t["target"].startswith("train step"))
+    assert step["limit"] == 1.10 and step["value"] == r["train"]["alibi"]["step_seconds"] / r["train"]["rope"]["step_seconds"]
     assert all(positive(t["value"]) and positive(t["limit"]) and isinstance(t["met"], bool) for t in r["targets"])
     assert r["all_targets_met"] == all(t["met"] for t in r["targets"])
     assert isinstance(r["source_changed"], bool)
 
 
 def test_scaled_and_contextual_cases(tmp_path):
-    """A ``rope+ssmax`` case (model.attn_scale=ssmax) and CoPE run, CoPE without an evaluation target, and a misspelt
-    scaling is refused by the argument parser."""
+    """A ``rope+ssmax`` case (model.attn_scale=ssmax) and CoPE run, CoPE's evaluation targets 3× nope's, and a
+    misspelt scaling is refused by the argument parser."""
     out = tmp_path / "bench.json"
     args = [*TINY, "--schemes", "rope+ssmax", "cope", "--lengths", "4", "64", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
+    assert proc.returncode == (0 if r["all_targets_met"] else 1), proc.stderr[-3000:]
     assert list(r["train"]) == ["nope", "rope+ssmax", "cope"]
     assert "cope: contextual kernel" in proc.stdout
-    assert not [t for t in r["targets"] if t["scheme"] == "cope" and t.get("length")]  # no evaluation target
+    cope = [t for t in r["targets"] if t["scheme"] == "cope" and t.get("length")]
+    assert [(t["length"], t["limit"]) for t in cope] == [(64, 3.0), (64, 3.0)]
     bad = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--schemes", "rope+logn"], capture_output=True, text=True)
     assert bad.returncode == 2 and "'rope+logn'" in bad.stderr
 
