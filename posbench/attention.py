@@ -21,7 +21,7 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   it. Compiled once per process, with automatic dynamic shapes (a second length reuses the kernel) and a recompile
   limit that raises rather than fall back to Flex's eager form (:data:`FLEX_VARIANTS`; :func:`reset_compiled`
   between jobs). On CPU it has no backward; if it fails to compile there, the dense kernel takes over.
-* ``folded`` — a key-only bias (ALiBi) on CPU in float32/float64. Softmax ignores a term constant across a
+* ``folded`` — a key-only bias (ALiBi) on CPU in float32/float64 (training; it evaluates ``banded``). Softmax ignores a term constant across a
   query's row, so Press et al. 2022 (§3)'s −m·(i − j) may be replaced by the key-only −m·(c − j) for a
   reference position c, which is one extra head dimension: q' = (q/√Dh, 1), k' = (k, bias(c, j)),
   v' = (v, 0) at scale 1 give q·k/√Dh + bias(c, j) in SDPA's fused kernels. Queries go in blocks of
@@ -29,8 +29,9 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   fp32 keeps ~1e-6, where one c for 8192 positions loses ~1e-4. A window of one block runs causal SDPA;
   without gradients a longer one runs, per block, a causal diagonal square and the unmasked keys before it,
   merged by their log-sum-exps; with gradients, each block against all its keys with a causal float mask.
-* ``banded`` — on CPU without gradients, a per-distance bias that is constant per head past a distance D
-  (``far_constant``; T5 past ``max_distance``), in float32/float64. Per block of :data:`FOLD_QUERIES` queries
+* ``banded`` — on CPU without gradients, a bias of the distance alone (``distance_table`` or
+  ``translation_invariant``: T5, KERPLE, Sandwich, ALiBi), in float32/float64, from its table per distance (H, N).
+  A ``far_constant`` bias (T5 past ``max_distance``) is the same constant c_h for every distance from D on. Per block of :data:`FOLD_QUERIES` queries
   [s, e), the keys j ≤ s − D all carry that head's constant c_h: one unmasked SDPA over them, whose log-sum-exp
   takes + c_h. The keys after them carry the table's bias, indexed by i − j, and the causal mask: one SDPA with a
   float mask of (H, e − s, e − s + D − 1). Both outputs are merged by their log-sum-exps, as in ``folded``. With
@@ -147,16 +148,21 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             where a per-distance table needs it (a host sync, and a graph break under torch.compile).
     Raises:
         ValueError: an unknown ``kernel``; ``flex`` where FlexAttention is missing, with dropout, or on CPU with
-            gradients on; ``folded`` for a scheme whose bias is not key-only.
+            gradients on; ``folded`` for a scheme whose bias is not key-only; ``banded`` without torch's fused CPU
+            attention, for a bias not of i − j alone, or for positions that do not increase (chosen automatically,
+            those run ``folded`` or ``dense``).
     """
     T, device, grad = pos.numel(), pos.device, torch.is_grad_enabled()
     if torch.is_autocast_enabled(device.type):  # q and k will be in the autocast dtype
         dtype = torch.get_autocast_dtype(device.type)
-    kernel = kernel or choose_kernel(scheme, device, dtype, dropout, grad)
+    if kernel is None:
+        kernel = choose_kernel(scheme, device, dtype, dropout, grad)
+        if kernel == "banded" and not _increasing(pos, span):  # (banded's far keys are those far by index)
+            kernel = "folded" if scheme.key_only_bias else "dense"
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout)
-    if kernel in ("flex", "dense", "banded") and scheme.distance_table:
+    if kernel in ("flex", "dense") and scheme.distance_table or kernel == "banded":
         ctx.table = distance_table(scheme, pos, dtype, span)  # (H, N)
     if kernel == "flex":
         if flex_attention is None or dropout or (grad and not flex_backward(device)):
@@ -182,10 +188,9 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             ctx.fold_mask = torch.zeros(Q, T + Q, dtype=dtype, device=device)  # (Q, T+Q)
             ctx.fold_mask[:, T:] = torch.full((Q, Q), float("-inf"), dtype=dtype, device=device).triu(1)
     elif kernel == "banded":
-        increasing = span == T or bool((pos[1:] > pos[:-1]).all())  # (the model's default positions: 0…T−1)
-        if _flash_cpu is None or not scheme.distance_table or not increasing:
-            raise ValueError("the banded kernel needs torch's fused CPU attention, a distance_table scheme and "
-                             "increasing positions")
+        if _flash_cpu is None or not (scheme.distance_table or scheme.translation_invariant) or not _increasing(pos, span):
+            raise ValueError("the banded kernel needs torch's fused CPU attention, a bias of i − j alone "
+                             "(distance_table or translation_invariant) and increasing positions")
         ctx.blocks = [(s, min(T, s + FOLD_QUERIES)) for s in range(0, T, FOLD_QUERIES)]
         ctx.far = scheme.far_distance if scheme.far_constant else T  # (T: no key is far)
         if scheme.far_constant:
@@ -198,6 +203,11 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         if n_head * T * T <= BIAS_ELEMENTS:  # the whole mask fits the budget: build it once for all layers
             ctx.masks = [dense_mask(scheme, pos, n_head, s, e, dtype, ctx.table) for s, e in ctx.blocks]
     return ctx
+
+
+def _increasing(pos: torch.Tensor, span: int | None) -> bool:
+    """Whether the positions (T,) increase: known for the model's default ones (``span`` = T), else read."""
+    return span == pos.numel() or bool((pos[1:] > pos[:-1]).all())
 
 
 def flex_backward(device: torch.device) -> bool:
@@ -216,11 +226,11 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
     flex = flex_attention is not None and not dropout
     if device.type == "cuda" and flex:
         return "flex"
-    if device.type == "cpu" and scheme.key_only_bias and dtype in (torch.float32, torch.float64):
-        return "folded"  # (an 8-bit mantissa would round a folded bias of 64 by 0.25)
-    wide = dtype in (torch.float32, torch.float64)
-    if device.type == "cpu" and scheme.distance_table and not grad and not dropout and wide and _flash_cpu is not None:
+    wide, relative = dtype in (torch.float32, torch.float64), scheme.distance_table or scheme.translation_invariant
+    if device.type == "cpu" and relative and not grad and not dropout and wide and _flash_cpu is not None:
         return "banded"
+    if device.type == "cpu" and scheme.key_only_bias and wide:
+        return "folded"  # (an 8-bit mantissa would round a folded bias of 64 by 0.25)
     if device.type == "cpu" and flex and not grad and _flex_cpu_works:
         return "flex"
     return "dense"

@@ -16,6 +16,7 @@ Perplexity is exp(total NLL / tokens scored), token-weighted; NLL is in nats per
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -81,6 +82,22 @@ def position_bins(length: int) -> np.ndarray:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def flush_denormals(device: str | torch.device):
+    """On CPU, float results below 2^−126 (denormals) read and written as 0 inside the block, then back to IEEE
+    behaviour. A long window's softmax has many such terms, exp(s − max) of the keys a decaying bias pushes far
+    down (ALiBi's smallest slope, 1/256 at 4 heads, puts 4096 keys of each query at 8192 tokens in the denormal
+    range), each a term < 1e−38 beside a row sum ≥ 1, and Intel CPUs take a slow microcode path for every one.
+    The setting is per thread (``torch.set_flush_denormal``): threads torch's pool starts later inherit it, while
+    those it already runs keep their own."""
+    on = torch.device(device).type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_flush_denormal(False)
+
+
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], protocol: str = "nonoverlapping",
              stride: int | None = None, max_tokens: int | None = None, batch_tokens: int = 16384,
              device: str | torch.device = "cpu", progress=None, rank: int = 0, world: int = 1) -> list[dict]:
@@ -125,7 +142,8 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                 chunk = group[b: b + per_batch]
                 x = torch.stack([stream[wins[i][0]: wins[i][0] + size] for i in chunk]).to(device)  # (B, T)
                 y = torch.stack([stream[wins[i][0] + 1: wins[i][0] + size + 1] for i in chunk]).to(device)  # (B, T)
-                nll = model(x, targets=y)  # (B, T), nats
+                with flush_denormals(device):
+                    nll = model(x, targets=y)  # (B, T), nats
                 scored = torch.arange(size, device=device)[None, :] >= torch.tensor([wins[i][2] for i in chunk], device=device)[:, None]
                 masked = (nll * scored).double().cpu()  # (B, T)
                 pos_sum[:size] += masked.sum(0)

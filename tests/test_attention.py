@@ -166,19 +166,21 @@ def test_kernel_matches_float64_reference(name, kernel, T, offset, blocks, small
         assert_close(y.double(), reference(name, scheme, q, k, v, pos), **TOL)
 
 
+@pytest.mark.parametrize("kernel", ["folded", "banded"])
 @pytest.mark.parametrize("offset", [0, 100_000])
-def test_folded_alibi_is_precise_at_8192_positions(offset):
+def test_alibi_is_precise_at_8192_positions(offset, kernel):
     """Far from the reference position a folded bias loses fp32 precision; the blocks keep it: within the
-    reference's tolerance for query rows at the start, the block edges, the middle and the end of 8192 tokens."""
+    reference's tolerance for query rows at the start, the block edges, the middle and the end of 8192 tokens.
+    The same rows through the banded kernel, which evaluates ALiBi by default (its mask per distance)."""
     T = 8192
     scheme = make_scheme("alibi")
     q, k, v = qkv(T, B=1, Dh=32, seed=1, scale=0.6)
     pos = torch.arange(T) + offset
     rows = torch.tensor([0, 1, 255, 256, 300, 4095, 4096, 4200, T - 257, T - 2, T - 1])
     with torch.no_grad():
-        ctx = attention.context(scheme, pos, H)
+        ctx = attention.context(scheme, pos, H, kernel=None if kernel == "banded" else kernel)
         y = attention.attend(q, k, v, ctx)
-    assert ctx.kernel == "folded" and len(ctx.blocks) == T // attention.FOLD_QUERIES
+    assert ctx.kernel == kernel and len(ctx.blocks) == T // attention.FOLD_QUERIES
     assert_close(y[:, :, rows].double(), reference("alibi", scheme, q, k, v, pos, rows), **TOL)
 
 
@@ -326,10 +328,13 @@ def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatc
     if not type(scheme).has_bias:  # a probe of score_mod would fail here
         monkeypatch.setattr(scheme, "score_mod", lambda *a: pytest.fail("score_mod was called for a scheme without bias"))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    want = {"alibi": "folded"}.get(name, "causal")
-    for grad in (False, True):
-        assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, grad) == want
-    assert attention.context(scheme, torch.arange(L), H).kernel == want
+    train, evaluate = {"alibi": ("folded", "banded")}.get(name, ("causal", "causal"))  # ALiBi: −m·(i − j) as a table
+    assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, True) == train
+    assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, False) == evaluate
+    assert attention.context(scheme, torch.arange(L), H).kernel == train  # (gradients on here)
+    with torch.no_grad():
+        assert attention.context(scheme, torch.arange(L), H).kernel == evaluate
+        assert attention.context(scheme, torch.arange(L).flip(0), H).kernel == train  # banded needs increasing ones
     with torch.no_grad():
         run(scheme, *qkv(L), torch.arange(L))
     monkeypatch.setattr(attention, "_flex_cpu_works", True)

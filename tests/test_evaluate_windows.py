@@ -362,3 +362,15 @@ def test_sharded_windows_come_back_in_order(stream, tmp_path):
             assert got["window_tokens"] == want["window_tokens"] and got["tokens"] == want["tokens"]
             assert_close(got["window_nll"], want["window_nll"], rtol=1e-5, atol=1e-5)
             assert_close(got["nll"], want["nll"], rtol=1e-6, atol=0)
+
+
+def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs():
+    """posbench.evaluate.flush_denormals: inside, an fp32 result below 2^−126 reads 0 (Intel CPUs take a slow path for
+    each one, and a long ALiBi window's softmax has thousands per query); outside, IEEE's denormal again."""
+    from posbench.evaluate import flush_denormals
+
+    tiny = torch.tensor([1e-30])  # (1e-30 · 1e-10 = 1e-40: a float32 denormal)
+    assert (tiny * 1e-10).item() > 0
+    with flush_denormals("cpu"):
+        assert (tiny * 1e-10).item() == 0.0
+    assert (tiny * 1e-10).item() > 0

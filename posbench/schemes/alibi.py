@@ -43,6 +43,7 @@ class ALiBi(PositionalScheme):
 
     has_bias = True
     key_only_bias = True
+    translation_invariant = True  # −m·(i − j): CPU evaluation runs banded (a mask per distance), training folded
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)

@@ -72,6 +72,8 @@ class PositionalScheme(nn.Module):
             into the table's H·N entries, where indexing the parameters themselves in ``score_mod`` would contend for
             a few addresses or (an MLP's weights indexed once per hidden unit) not compile at all. False here, and for
             ALiBi, whose bias is one multiply.
+        translation_invariant: the bias is a function of the head and the distance i − j alone (ALiBi; every
+            ``distance_table`` scheme is too): CPU evaluation runs it through the ``banded`` kernel. False here.
         far_constant: a ``distance_table`` bias that is the same for every distance from :attr:`far_distance` on
             (T5 past ``max_distance``): CPU evaluation then attends to those keys without a bias and adds the
             head's constant to their log-sum-exp (the ``banded`` kernel). False here.
@@ -89,6 +91,7 @@ class PositionalScheme(nn.Module):
     has_bias: bool = False
     key_only_bias: bool = False
     distance_table: bool = False
+    translation_invariant: bool = False
     far_constant: bool = False
     contextual: bool = False
     weight_decay: bool = False
