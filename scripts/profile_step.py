@@ -5,7 +5,7 @@
 
 The step is posbench/train.py's (``get_batch`` on random tokens, forward with the loss, backward, gradient clipping,
 AdamW from ``make_optimizer``) after two untimed steps, under ``torch.profiler`` for ``--steps`` steps; the evaluation
-is one no-grad forward of batch 1 at ``--eval-length``. Each op's own CPU time (``self_cpu_time``) is put in a part:
+is one no-grad forward of batch 1 at ``--eval-length``, denormals flushed as ``posbench.evaluate`` does. Each op's own CPU time (``self_cpu_time``) is put in a part:
 
 * data: the batch (``get_batch``); optimizer: clipping and ``AdamW.step``;
 * attention: SDPA, FlexAttention and everything the attention kernels run (a bias's masks and tables included),
@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from posbench import attention
 from posbench.build import build_model
 from posbench.config import TrainConfig
+from posbench.evaluate import flush_denormals
 from posbench.schemes import SCHEMES
 from posbench.train import get_batch, make_optimizer
 
@@ -144,7 +145,7 @@ def main(argv=None) -> None:
 
     model.eval()
     idx = torch.from_numpy(tokens[: args.eval_length + 1].astype(np.int64))[None]
-    with torch.no_grad():
+    with torch.no_grad(), flush_denormals("cpu"):  # as posbench.evaluate scores
         model(idx[:, :-1], targets=idx[:, 1:])  # untimed: one-time costs (and Flex's compilation)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             with record_function("eval"):

@@ -186,3 +186,22 @@ def test_cuda_ceiling_size_and_datasheet_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # TF32 allowed
     assert b.peak(fp32) is None and b.peak(cuda)["tflops"] == 121
+
+
+def test_profile_step_puts_every_part_of_a_step_and_an_evaluation_in_a_row(tmp_path):
+    """scripts/profile_step.py at a tiny size: one row per part, shares of the train step and of the evaluation that
+    add up to the wall time (V = 96 unlike any layer width: the matmuls are told apart by their shapes)."""
+    script = SCRIPT.parent / "profile_step.py"
+    args = ["--d-model", "16", "--layers", "1", "--heads", "2", "--vocab", "96", "--seq-len", "8", "--batch", "2",
+            "--eval-length", "32", "--steps", "1", "--threads", "1", "--scheme", "t5"]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        parts = line.rsplit(None, 2)
+        if len(parts) == 3 and parts[1].endswith("%") and parts[2].endswith("%"):
+            rows[parts[0]] = (float(parts[1][:-1]), float(parts[2][:-1]))
+    assert {"attention", "MLP", "head and loss", "qkv", "proj", "optimizer", "data", "Python"} <= set(rows), rows
+    for column in (0, 1):
+        assert 99.0 <= sum(r[column] for r in rows.values()) <= 101.0, rows
+    assert rows["attention"][1] > 0 and rows["optimizer"][1] == 0 and rows["optimizer"][0] > 0
