@@ -97,7 +97,7 @@ def shares(prof, phases: tuple[str, ...], D: int, F: int, V: int) -> tuple[dict,
         if e.name in phases or e.name.startswith("ProfilerStep"):
             continue
         parts[part_of(e, D, F, V)] += e.self_cpu_time_total / 1e6
-    parts["Python"] = max(0.0, wall - sum(parts.values()))
+    parts["Python"] += max(0.0, wall - sum(parts.values()))  # (beside the marks' and autograd's own time)
     return dict(parts), wall
 
 
