@@ -18,7 +18,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   table built once per forward pass — per distance (H, N) for a ``distance_table`` scheme; per (query, key) pair
   (H, T, T) for a learned bias of i and j when gradients are on (FIRE) — or, otherwise, the scheme's own
   ``score_mod``. A table's gradient leaves the kernel through one indexing op and reaches the parameters outside
-  it. Compiled once per process, with automatic dynamic shapes (a second length reuses the kernel) and a recompile
+  it. Compiled once per process, with automatic dynamic shapes (the second length compiles a dynamic kernel that
+  most later lengths reuse; each compilation is logged, "compiling the attention kernel for length T") and a recompile
   limit that raises rather than fall back to Flex's eager form (:data:`FLEX_VARIANTS`; :func:`reset_compiled`
   between jobs). On CPU it has no backward; if it fails to compile there, the dense kernel takes over.
 * ``folded`` — a key-only bias (ALiBi) on CPU in float32/float64 (training; it evaluates ``banded``). Softmax ignores a term constant across a
@@ -407,6 +408,7 @@ def _contextual_block(q, k, v, s: int, ctx: Context) -> torch.Tensor:
 # ---- flex: FlexAttention, compiled once ------------------------------------------------------------------
 
 _compiled_flex = None
+_compile_callbacks = torch._dynamo.callback.callback_handler  # Dynamo's compile-start hooks (:func:`_run_flex`)
 _block_masks: dict[tuple[int, str], object] = {}
 FLEX_TABLE_OPTIONS = {"num_stages": 2}  # CUDA, a score_mod reading a table (:func:`flex_kernel_options`)
 FLEX_VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
@@ -480,7 +482,21 @@ def _flex_attend(q, k, v, ctx: Context) -> torch.Tensor:
 
 def _run_flex(q, k, v, ctx: Context) -> torch.Tensor:
     """The compiled flex_attention call, under a recompile limit of :data:`FLEX_VARIANTS` that raises when reached:
-    past Dynamo's limit it would run Flex's eager form, which materialises every (B, H, T, T) score."""
-    with torch._dynamo.config.patch(recompile_limit=FLEX_VARIANTS, fail_on_recompile_limit_hit=True):
-        return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask,
-                    kernel_options=ctx.kernel_options)  # (B, H, T, Dh)
+    past Dynamo's limit it would run Flex's eager form, which materialises every (B, H, T, T) score. When Dynamo
+    compiles in this call (a new shape: seconds on a CPU), "compiling the attention kernel for length T" is logged
+    as the compilation starts (Dynamo's compile-start callback), once per call."""
+    said = []
+
+    def compiling(*_):  # (torch passes CallbackArgs; older versions nothing)
+        if not said:
+            said.append(True)
+            log.info("compiling the attention kernel for length %d", q.shape[2])
+
+    _compile_callbacks.register_start_callback(compiling)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=FLEX_VARIANTS, fail_on_recompile_limit_hit=True):
+            return _compiled_flex(q, k, v, score_mod=ctx.score_mod, block_mask=ctx.block_mask,
+                        kernel_options=ctx.kernel_options)  # (B, H, T, Dh)
+    finally:
+        if compiling in _compile_callbacks.start_callbacks:  # (torch._dynamo.reset() clears them)
+            _compile_callbacks.remove_start_callback(compiling)

@@ -14,13 +14,19 @@ loads the trained weights into it (a misfit is refused). :func:`run` scores it a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from posbench import build, checkpoint, context, data, dist, passkey, results
 from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize,
@@ -29,6 +35,8 @@ from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.schemes import SCHEMES
 from posbench.train_job import needle_of, prepare_data
+
+log = logging.getLogger("posbench")
 
 
 @dataclass(frozen=True)
@@ -101,19 +109,26 @@ def run(job: EvalJob, progress=None) -> dict:
     two evaluations started together write two files. The record's config holds the job's settings, and
     ``scheme_overrides`` lists the changed options (absent when the model is the trained one as it was); an
     exception while writing (Ctrl-C) removes the claimed files. ``progress``: an optional callable(str) told which
-    length is being scored."""
+    length is being scored; by default (rank 0) each length is logged to the ``posbench`` logger (the console and
+    ``eval.log``) and, on a terminal, counted by a progress bar (:func:`_progress`)."""
     device, threads, e = resolve_device(job.device), set_threads(job.threads), job.config.eval
-    rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
-                    e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
+    if dist.rank() == 0:
+        log.info("evaluating %s (%s): lengths %s, %s%s, %s split (%s), device %s, %d threads", job.label,
+                 job.run_dir, ", ".join(map(str, e.lengths)), e.protocol,
+                 f" stride {e.stride}" if e.protocol == "sliding" else "", e.split,
+                 f"at most {e.max_tokens} tokens" if e.max_tokens else "all of it", device, threads)
     extra = {"scheme_overrides": job.overrides["scheme"]} if job.overrides else {}
     extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens") if job.state.get(k)})  # a fine-tuned run's
-    if job.needle:
-        extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey), e.split,
-                                          job.config.train.seq_len, device, e.batch_tokens, progress)
-    if "context" in e.probes:  # (windows sharded over ranks, as perplexity's)
-        extra["context"] = context.record(job.model, job.corpus.tokens[e.split], to_dict(e.context), e.split,
-                                          job.config.train.seq_len, list(e.lengths), e.max_tokens, device,
-                                          e.batch_tokens, progress, dist.rank(), dist.world())
+    with _progress(job, progress) as progress:
+        rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
+                        e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
+        if job.needle:
+            extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey),
+                                              e.split, job.config.train.seq_len, device, e.batch_tokens, progress)
+        if "context" in e.probes:  # (windows sharded over ranks, as perplexity's)
+            extra["context"] = context.record(job.model, job.corpus.tokens[e.split], to_dict(e.context), e.split,
+                                              job.config.train.seq_len, list(e.lengths), e.max_tokens, device,
+                                              e.batch_tokens, progress, dist.rank(), dist.world())
     rec = results.record(to_dict(job.config), rows, job.label, split=e.split, train_tokens=job.state.get("train_tokens"),
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)
@@ -125,8 +140,42 @@ def run(job: EvalJob, progress=None) -> dict:
             for suffix in (".json", ".csv"):
                 (job.run_dir / f"{stem}{suffix}").unlink(missing_ok=True)
             raise
-        print(results.run_table(rec) + f"\n\nwritten: {path}", flush=True)
+        print(results.run_table(rec), flush=True)
+        log.info("written: %s", path)
     return rec
+
+
+def _steps(job: EvalJob) -> int:
+    """The progress messages ``run`` gets: one per length, per passkey length, and, for the context probe, one for
+    its short windows and one per length past L (posbench/context.py)."""
+    e, L = job.config.eval, job.config.train.seq_len
+    past = [n for n in e.lengths if n > L]
+    return (len(e.lengths) + (len(e.passkey.lengths) if job.needle else 0)
+            + (1 + len(past) if "context" in e.probes and past else 0))
+
+
+@contextlib.contextmanager
+def _progress(job: EvalJob, given=None):
+    """The ``progress`` callable of :func:`run`: ``given``, or on rank 0 one that logs each message and, as training
+    does (posbench/train.py), advances a tqdm bar on stderr over :func:`_steps`, off without a terminal, under CI
+    and on other ranks; while the bar shows, console log lines are written above it (eval.log is unchanged)."""
+    if given is not None or dist.rank() > 0:
+        yield given
+        return
+    quiet = not sys.stderr.isatty() or bool(os.environ.get("CI"))
+    done: list[str] = []
+    with tqdm(total=_steps(job), desc=f"eval {job.label}", unit="length", disable=quiet, dynamic_ncols=True) as bar, \
+            (contextlib.nullcontext() if quiet else logging_redirect_tqdm()):
+        def progress(message: str) -> None:
+            bar.set_postfix_str(message, refresh=not done)
+            if done:  # the previous step is over
+                bar.update()
+            done.append(message)
+            log.info(message)
+
+        yield progress
+        if done:
+            bar.update()
 
 
 def _changed_scheme(scheme: DictConfig, given: dict, run: str) -> DictConfig:

@@ -81,7 +81,6 @@ def position_bins(length: int) -> np.ndarray:
     return np.array(edges)
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def flush_denormals(device: str | torch.device):
     """On CPU, float results below 2^−126 (denormals) read and written as 0 inside the block, then back to IEEE
@@ -98,6 +97,7 @@ def flush_denormals(device: str | torch.device):
             torch.set_flush_denormal(False)
 
 
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], protocol: str = "nonoverlapping",
              stride: int | None = None, max_tokens: int | None = None, batch_tokens: int = 16384,
              device: str | torch.device = "cpu", progress=None, rank: int = 0, world: int = 1) -> list[dict]:
