@@ -37,7 +37,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   takes + c_h. The keys after them carry the table's bias, indexed by i − j, and the causal mask: one SDPA with a
   float mask of (H, e − s, e − s + D − 1). Both outputs are merged by their log-sum-exps, as in ``folded``. With
   positions 0…T−1 plus an offset, every block's mask is a slice of one (H, Q, Q + D − 1) pattern built once per
-  forward pass. Otherwise (randomized positions, which must increase) each layer builds each block's mask.
+  forward pass (a sliding view, no copy). Otherwise (randomized positions, which must increase) each layer builds
+  each block's mask.
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
   causal mask (``scheme.pair_bias``, or the per-distance table indexed by i − j) materialised one block of queries
   at a time (at most :data:`BIAS_ELEMENTS` floats), built once
@@ -106,7 +107,7 @@ class Context:
         fold_mask: folded, several blocks, gradients on: (Q, T + Q), zeros then a square of −inf above the
             diagonal; block [s, e) takes the view [: e − s, T − s : T + e − s] (0 before key s, causal after).
         far: banded: D, the distance from which the bias is the constant ``far_bias`` (H,) of each head.
-        masks: banded, positions 0…T−1 plus an offset: one pattern (H, Q, Q + D − 1) (:func:`_banded_masks`);
+        masks: banded, positions 0…T−1 plus an offset: one pattern (H, Q, Q + D − 1) (:func:`_banded_pattern`);
             dense: per block, bias + causal mask (H, end − start, end), or None when they do not all fit
             in :data:`BIAS_ELEMENTS` (then each layer builds them one block at a time).
         block_mask, score_mod: flex: the causal BlockMask of length T and the score_mod with Flex's signature
@@ -286,7 +287,7 @@ def _folded(q, k, v, ctx: Context) -> torch.Tensor:
     return torch.cat(out, dim=2)[..., :Dh]  # (B, H, T, Dh)
 
 
-# ---- banded: a bias constant past a distance, the far keys unmasked -----------------------------------------------
+# ---- banded: a bias of i − j alone, a sliding mask per query block (T5: its far keys unmasked) ---------------------
 
 
 def _banded_pattern(table: torch.Tensor, Q: int, D: int, dtype: torch.dtype) -> torch.Tensor:
