@@ -107,7 +107,8 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
     NLL sums and token counts are all-reduced, so every target still counts exactly once.
 
     Args:
-        model: maps (B, T) int64 ids to (B, T, V) logits.
+        model: ``model(x, targets=y)`` maps (B, T) int64 ids and their (B, T) targets to each target's NLL in
+            nats, (B, T) float32 (posbench/model.py's ``GPT``).
         tokens: 1-D token ids of the evaluation split.
         lengths: evaluation lengths L_eval (tokens per window).
         protocol, stride: see the module docstring.

@@ -9,64 +9,9 @@ anything; this module turns them into a byte count and compares it with what the
     free, what = available_bytes("cpu")                                    # (bytes, "MemAvailable of /proc/meminfo")
     check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
 
-What is counted (B batch, T length, L layers, D width, H heads, Dh = D/H, F MLP width, V vocabulary, P parameters,
-b = ``dtype_bytes``; every figure is in bytes):
-
-* weights: P·b (tied embeddings once; the scheme's parameters included, counted on the meta device).
-* optimizer (training): gradients and AdamW's two moments, 3·P·b. Gradients are counted although they are None
-  during the forward pass (``zero_grad(set_to_none=True)``), so this part overcounts the peak by up to P·b.
-* activations: what autograd keeps for backward, counted from posbench/model.py, per layer and token:
-  LayerNorm inputs 2·D, the inputs of qkv, proj and mlp.0 3·D, the qkv output 3·D, rotated q and k 2·D,
-  the attention output D, the MLP's GELU input and output 2·F — 11·D + 2·F values, plus 4 floats of LayerNorm
-  statistics; and ln_f's input and output (2·D). Evaluation keeps nothing: one layer's live tensors, 9·D + 2·F.
-  For comparison, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-  §4.1) count s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit with dropout. Without dropout (its masks,
-  2·sbh + a·s²·b bytes, and the dropped probabilities, 2·a·s²·b) that is 16·sbh + a·s²·b values, 64·sbh +
-  4·a·s²·b bytes in fp32; this count has 19·sbh values (F = 4·D: 76·sbh bytes; the three more are the rotated
-  q and k and SDPA's output beside its reshaped copy) and the a·s²·b of the dense kernel's probabilities below.
-* attention, what the kernel keeps per layer beyond that (posbench/attention.py):
-  ``causal`` and ``flex``: the fused kernels' log-sum-exp, B·H·T float32 values. Training through ``flex`` a
-  learned bias of i and j that has no per-distance table (FIRE) adds, per scheme instance, its per-pair table
-  (H, T, T) and that table's gradient, and what building it keeps for backward, measured on one small block as
-  for ``dense`` below: T²·(2·H + pairs' graph) float32 values.
-  ``folded`` (training): q' and v' with the extra dimension, the outputs, and each query block's own key
-  copy k' of the keys before it: B·H·(Dh + 1)·(3·T + Σ_blocks end) values, quadratic in T: Σ end ≈ T²/512.
-  ``dense``: the bias blocks (H, Q, end) hold Σ_blocks Q·end ≈ T²/2 "pairs". When the bias needs a gradient
-  (T5, KERPLE, FIRE: learned parameters) SDPA runs its math path and keeps each layer's probabilities,
-  B·H·pairs values, plus three copies of q, k, v and, while one block is computed, two more block-sized
-  tensors (the scores beside the probabilities; in backward the gradients of both); the graph that built the
-  bias keeps what its ops save, measured here per pair by building one small block under
-  ``saved_tensors_hooks`` (once per forward pass when the whole mask fits in ``BIAS_ELEMENTS``, else once per
-  layer). A bias without gradient (Sandwich) goes to SDPA's fused kernel, which keeps the mask blocks themselves
-  (H·pairs values). (Seen on CPU; on CUDA, where dense runs only with attention dropout, a fused kernel may take the
-  learned bias too, and this part then overcounts.) A per-layer scheme (``per_layer``: FIRE's default) has one
-  set of masks and one bias graph per layer, all alive through the forward pass: × n_layer when built once.
-  Evaluation: the masks (all, or one block) twice over (the mask and a temporary of ``score_mod``).
-  ``banded`` (evaluation only): the per-distance table and the mask pattern, O(H·T) values; with positions that
-  are not 0…T−1 plus an offset, one block's mask (H, Q, T); the output y (B, H, T, Dh) and one block's two
-  partial outputs.
-  ``contextual`` (CoPE): every (query, key) pair of the query blocks, Σ_blocks Q·end "pairs" per batch row and head
-  (T² for one block, towards T²/2 for many). Training keeps per layer what autograd saves per pair (the gates, the
-  positions, their int64 floor, the interpolation weight and term, the probabilities: 28 bytes in fp32), measured
-  here by running the kernel on two small blocks under ``saved_tensors_hooks``, plus, while one block is computed, :data:`CONTEXT_TEMPORARIES`
-  block-sized float32 values (the scores, the positions, their int64 index, the gathered terms; in backward
-  their gradients) and the block's per-query tables (CoPE's q·e[n] for n < npos). Evaluation: those of one block.
-* logits: float32 whatever ``dtype_bytes``. On CPU in float32 (HeadNLL, posbench/model.py): the (B·T, V)
-  gradient buffer in training, one 4 MiB chunk of logits in evaluation. Elsewhere (or with no device given) two
-  (B·T, V) buffers: the float32 logits and log_softmax's output (in backward, their gradients).
-
-Not counted: the batch of token ids, the corpus, Python and torch themselves (~300 MB of RSS), CUDA's context,
-torch.compile's buffers and code, DDP's gradient buckets, attention dropout's masks, autocast's mix of float32
-weights and 16-bit activations (pass ``dtype_bytes=4`` for an upper bound), and the allocator's fragmentation and
-caching: glibc keeps freed heap blocks, so RSS can exceed the live tensors (FIRE's bias, built from many 4 MiB
-temporaries: 1.23 GB of RSS after a forward pass at B=2, T=1024 for 0.40 GB of live tensors).
-
-Measured (tests/test_memory.py: model=tiny, 2 CPU threads, fp32; the RSS one step adds over a warmed-up process,
-against the estimate less the weights): rope training B=4 × T=1024 280–292 MiB, estimated 236; t5 (dense)
-training B=2 × T=1024 304–332 MiB, estimated 354; rope evaluation B=32 × T=1024 190 MiB, estimated 277. Once, not
-warmed up: t5 training B=1 × T=4096 (four query blocks) 1348 MiB, estimated 1451; alibi (folded) training
-B=2 × T=4096 580 MiB, estimated 646. CoPE (contextual) training B=2 × T=1024 1312–1440 MiB, estimated 1221; once,
-evaluation B=1 × T=4096 (16 query blocks) 330 MiB, estimated 198.
+The parts are weights, the optimizer's state, the activations autograd keeps (counted from posbench/model.py), what
+the attention kernel keeps, and the logits; docs/design.md §5.7 gives each formula and what is not counted.
+tests/test_memory.py checks the estimate against measured memory.
 """
 
 from __future__ import annotations
