@@ -35,7 +35,7 @@ from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from posbench import attention, compare, dist, eval_job, gpus, jobs, report, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench import compare, dist, eval_job, flex, gpus, jobs, report, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
 from posbench.checkpoint import CheckpointError  # noqa: E402
 from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
@@ -108,7 +108,7 @@ def _train(cfg: DictConfig) -> None:
     except jobs.Refused as e:
         fail(str(e))
     with runlock.releasing(out_dir), gpus.job_gpu(hc):  # the job's own GPU (joblib sweeps) before CUDA is touched
-        attention.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
+        flex.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
         try:
             job = train_job.in_folder(jobs.job_for(cfg, train_job.prepare), out_dir)
         except (ConfigError, DataError) as e:
@@ -141,7 +141,7 @@ def _train(cfg: DictConfig) -> None:
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
 def _eval(cfg: DictConfig) -> None:
     with gpus.job_gpu(HydraConfig.get()):
-        attention.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
+        flex.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
         try:
             job = jobs.job_for(cfg, eval_job.prepare)
         except (ConfigError, DataError) as e:

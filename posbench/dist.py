@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -98,3 +99,20 @@ def finish(together: bool = True) -> None:
         if together:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Give torch's global generator (dropout) a stream of its own on each rank, as nanoGPT offsets its seed by
+    rank; rank 0 keeps the stream of a single-process run. Call it after the model is built, so the weights are
+    the same on every rank. Rank r > 0 is seeded with a 63-bit number drawn from SeedSequence([seed, r])."""
+    if rank:
+        torch.manual_seed(int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1))
+
+
+def sync_steps(losses: list[torch.Tensor], norms: list[torch.Tensor], stop: bool) -> tuple[list[float], list[float], bool]:
+    """The one host sync of a window of steps: each step's loss averaged over ranks, each step's gradient norm
+    (the same on every rank after DDP's all-reduce), and whether any rank asked to stop. One all-reduce of
+    k + 1 numbers for k steps, where checking each step would cost two all-reduces and several syncs a step."""
+    flag = torch.tensor([float(stop)], device=losses[0].device)
+    summed = all_reduce_sum(torch.cat([torch.stack(losses).float(), flag])).cpu()  # (k + 1,)
+    return (summed[:-1] / world()).tolist(), torch.stack(norms).float().cpu().tolist(), bool(summed[-1])

@@ -220,3 +220,15 @@ def set_rng_state(rng: dict, device: torch.device) -> None:
     torch.set_rng_state(rng["torch"])
     if device.type == "cuda" and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def probe_curve(run_dir) -> list[dict]:
+    """The probe rows of a run's ``metrics.jsonl`` (posbench/train.py's ``Loop.probe``), in step order: [{"step", "tokens",
+    "accuracy": {T: accuracy}}]; [] when the run did not probe during training."""
+    path, rows = run_dir / "metrics.jsonl", {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        acc = {int(k[8:]): v for k, v in row.items() if k.startswith("passkey@")}
+        if acc:
+            rows[row["step"]] = {"step": row["step"], "tokens": row["tokens"], "accuracy": acc}
+    return [rows[k] for k in sorted(rows)]

@@ -16,7 +16,7 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   (dense, no sparsity; :data:`PEAKS`, NVIDIA's datasheets) is printed too where the device is in the table, and
   training's MFU (model FLOPs utilisation: GFLOP/s below over that peak) beside its fraction of the ceiling;
 * training: the step of posbench/train.py (forward, cross entropy, backward, clipping, AdamW from
-  ``posbench.train.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
+  ``posbench.optim.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
   step by step. GFLOP/s counts 6·N + 12·n_layer·d_model·L FLOPs per token (N: parameters but the
   position table, tied head once), PaLM's estimate (Chowdhery et al. 2022, App. B; nanoGPT's ``estimate_mfu``):
   one count for every scheme, so GFLOP/s ∝ tokens/s, and causal attention's masked half counted too;
@@ -264,7 +264,7 @@ def train(args) -> tuple[dict, list, float, dict]:
     from omegaconf import OmegaConf
 
     from posbench.config import TrainConfig
-    from posbench.train import make_optimizer
+    from posbench.optim import make_optimizer
 
     if args.device == "cpu":
         torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU

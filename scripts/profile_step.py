@@ -37,7 +37,8 @@ from posbench.build import build_model
 from posbench.config import TrainConfig
 from posbench.evaluate import flush_denormals
 from posbench.schemes import SCHEMES
-from posbench.train import get_batch, make_optimizer
+from posbench.batches import get_batch
+from posbench.optim import make_optimizer
 
 
 def parse(argv=None) -> argparse.Namespace:

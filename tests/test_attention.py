@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 import posbench.attention as attention
+import posbench.flex as flex
 from posbench.build import build_model
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 
@@ -289,7 +290,7 @@ def test_learned_bias_gets_the_reference_gradients(name, kernel, blocks, small_b
 @pytest.fixture(scope="module")
 def flex_cpu():
     """Skips unless compiled FlexAttention runs on this CPU (it needs torch >= 2.5 and a C++ compiler)."""
-    if attention.flex_attention is None:
+    if flex.flex_attention is None:
         pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
     scheme = make_scheme("alibi")
     q, k, v = qkv(L, B=1, seed=6)
@@ -338,13 +339,13 @@ def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatc
     with torch.no_grad():
         run(scheme, *qkv(L), torch.arange(L))
     monkeypatch.setattr(attention, "_flex_cpu_works", True)
-    flex = "flex" if attention.flex_attention is not None else "dense"
+    fused = "flex" if flex.flex_attention is not None else "dense"
     if type(scheme).has_bias:
-        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.0, True) == flex  # training and evaluation
+        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.0, True) == fused  # training and evaluation
         assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.1, True) == "dense"  # Flex has no dropout
         assert attention.choose_kernel(scheme, cpu, torch.bfloat16, 0.0, True) == "dense"  # no fold in 8-bit mantissas
     not_key_only = LinearBiasDense(H * DH, H)  # CPU: Flex evaluates it (measured faster than dense), dense trains it
-    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == flex
+    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == fused
     assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, True) == "dense"
     monkeypatch.setattr(attention, "_flex_cpu_works", False)  # Flex failed to compile here before
     assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == "dense"
@@ -378,13 +379,13 @@ def test_positions_are_prepared_once_per_forward(name, monkeypatch):
 def test_flex_that_fails_to_compile_on_cpu_falls_back_to_dense(monkeypatch, caplog):
     """Where compiled Flex cannot run on this CPU (no C++ compiler, …), the dense kernel answers, with a warning
     naming the reason, and later contexts choose dense directly."""
-    if attention.flex_attention is None:
+    if flex.flex_attention is None:
         pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(attention, "_compiled_flex", broken)
+    monkeypatch.setattr(flex, "_compiled", broken)
     monkeypatch.setattr(attention, "_flex_cpu_works", True)
     scheme = make_scheme("toy-dense")
     q, k, v = qkv(L, seed=8)

@@ -119,7 +119,7 @@ def test_none_adds_no_parameter_and_no_factor():
 
 
 def test_ssmax_starts_at_its_documented_value_and_is_not_decayed():
-    from posbench.train import make_optimizer
+    from posbench.optim import make_optimizer
     from omegaconf import OmegaConf
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from posbench import passkey
 from posbench.cli import register
 from posbench.config import ConfigError, finalize
-from posbench.train import copy_rate, get_batch
+from posbench.batches import copy_rate, get_batch
 from test_refusals import refused, run_into, snapshot
 
 NEEDLE = passkey.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)  # 7-token needle, 6-token query

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from posbench import build, checkpoint, data
 from posbench.evaluate import evaluate
-from posbench.train import get_batch
+from posbench.batches import get_batch
 
 TIMEOUT = 300
 STEPS = 6

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import CLI_TIMEOUT_S, cli_env
-from posbench import attention
+from posbench import attention, flex
 from posbench.evaluate import evaluate
 from posbench.schemes import build_scheme
 from test_refusals import run_into
@@ -90,15 +90,15 @@ def test_evaluate_scores_without_gradients():
 def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monkeypatch):
     """A new shape logs "compiling the attention kernel for length T" once; the same call again, served by the
     compiled kernel, logs nothing; Dynamo's callback list is left as it was."""
-    if attention.flex_attention is None:
+    if flex.flex_attention is None:
         pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
     monkeypatch.setattr(attention, "_flex_cpu_works", True)
-    monkeypatch.setattr(attention, "_compiled_flex", None)
-    attention.reset_compiled()
+    monkeypatch.setattr(flex, "_compiled", None)
+    flex.reset_compiled()
     torch.manual_seed(0)
     scheme, T = build_scheme("fire", d_model=32, n_head=4), 16
     q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)  # (B, H, T, Dh) each
-    callbacks = list(attention._compile_callbacks.start_callbacks)
+    callbacks = list(flex._compile_callbacks.start_callbacks)
     try:
         with torch.no_grad(), caplog.at_level(logging.INFO, logger="posbench"):
             ctx = attention.context(scheme, torch.arange(T), 4)
@@ -111,10 +111,10 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
             attention.attend(q, k, v, ctx)
             again = [r.getMessage() for r in caplog.records]
     finally:
-        attention.reset_compiled()
+        flex.reset_compiled()
     assert first == [f"compiling the attention kernel for length {T}"]
     assert again == []
-    assert attention._compile_callbacks.start_callbacks == callbacks
+    assert flex._compile_callbacks.start_callbacks == callbacks
 
 
 # ---- through the CLI --------------------------------------------------------------------------------------------

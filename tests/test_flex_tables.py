@@ -18,11 +18,11 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-from posbench import attention
+from posbench import attention, flex
 from posbench.model import GPT
 from posbench.schemes import build_scheme
 
-pytestmark = pytest.mark.skipif(attention.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
+pytestmark = pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
 
 H, DH = 4, 8
 TABLE_SCHEMES = ["t5", "kerple_log", "kerple_power", "sandwich"]
@@ -85,7 +85,7 @@ def flex_training(monkeypatch):
 
     monkeypatch.setattr(attention, "flex_backward", lambda device: True)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(attention, "_compiled_flex", torch.compile(torch_flex.flex_attention,
+    monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention,
                                                                    backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)))
     return graphs
 
@@ -141,7 +141,7 @@ def test_fires_own_score_mod_is_what_inductor_refuses(monkeypatch):
     s, T = scheme_of("fire", mlp_width=4), 16
     pos = torch.arange(T)
     ctx = attention.context(s, pos, H, kernel="flex")
-    ctx.score_mod = attention._flex_score_mod(s, pos, None)
+    ctx.score_mod = flex.score_mod(s, pos, None)
     q, k, v = (torch.randn(1, H, T, DH, requires_grad=True) for _ in range(3))
     try:
         attention.attend(q, k, v, ctx).sum().backward()
@@ -163,7 +163,7 @@ def test_four_flex_schemes_share_compiled_kernels_and_never_fall_back(monkeypatc
     limit is reached, a new variant raises instead of running Flex's eager form."""
     if not attention._flex_cpu_works:
         pytest.skip("FlexAttention does not compile on this machine")
-    attention.reset_compiled()
+    flex.reset_compiled()
     monkeypatch.setattr(attention, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
     monkeypatch.setattr(attention, "choose_kernel", lambda *args: "flex")  # as on CUDA (CPU evaluates the tables banded)
     before = counters["frames"]["ok"]
@@ -176,10 +176,10 @@ def test_four_flex_schemes_share_compiled_kernels_and_never_fall_back(monkeypatc
         # two score_mods (the distance table's, shared by three schemes, and FIRE's own), each compiled for one length,
         # then with a dynamic length, then with a dynamic number of blocks (a size-1 dimension is never made dynamic)
         assert 1 <= compiled <= 6, compiled
-        monkeypatch.setattr(attention, "FLEX_VARIANTS", compiled)
+        monkeypatch.setattr(flex, "VARIANTS", compiled)
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             model("t5")(torch.randint(0, 64, (3, 64)))  # another batch size: one more variant
-    attention.reset_compiled()
+    flex.reset_compiled()
 
 
 def test_a_table_lowers_flexs_pipeline_stages_on_cuda_only(monkeypatch):
@@ -187,18 +187,18 @@ def test_a_table_lowers_flexs_pipeline_stages_on_cuda_only(monkeypatch):
     run: no configuration fitted its shared memory); on CPU, or without a table, Inductor's defaults. The options
     reach the flex_attention call."""
     table = torch.zeros(H, 8)
-    assert attention.flex_kernel_options(torch.device("cuda"), table)["num_stages"] < 3
-    assert attention.flex_kernel_options(torch.device("cuda"), None) is None
-    assert attention.flex_kernel_options(torch.device("cpu"), table) is None
+    assert flex.kernel_options(torch.device("cuda"), table)["num_stages"] < 3
+    assert flex.kernel_options(torch.device("cuda"), None) is None
+    assert flex.kernel_options(torch.device("cpu"), table) is None
     seen = []
 
     def spy(q, k, v, score_mod, block_mask, kernel_options):
         seen.append(kernel_options)
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(attention, "_compiled_flex", spy)
+    monkeypatch.setattr(flex, "_compiled", spy)
     monkeypatch.setattr(attention, "choose_kernel", lambda *args: "flex")  # as on CUDA
-    monkeypatch.setattr(attention, "flex_kernel_options", lambda device, table: {"num_stages": 2, "table": table.shape})
+    monkeypatch.setattr(flex, "kernel_options", lambda device, table: {"num_stages": 2, "table": table.shape})
     with torch.no_grad():
         model("t5")(torch.randint(0, 64, (1, 16)))
     assert seen and all(options == {"num_stages": 2, "table": (H, 16)} for options in seen), seen

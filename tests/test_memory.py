@@ -182,12 +182,12 @@ def test_residual_dropout_keeps_flexattention_and_attention_dropout_leaves_it(mo
     import torch
     from hydra import compose, initialize_config_module
 
-    from posbench import attention, build, train_job
+    from posbench import attention, build, flex, train_job
     from posbench.cli import register
     from posbench.config import finalize, to_dict
     from posbench.schemes import SCHEMES
 
-    if attention.flex_attention is None:
+    if flex.flex_attention is None:
         pytest.skip("FlexAttention needs torch >= 2.5")
     cuda = torch.device("cuda")
     assert attention.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from posbench import passkey
-from posbench.train import get_batch
+from posbench.batches import get_batch
 from test_refusals import refused, run_into, snapshot
 
 V = 50

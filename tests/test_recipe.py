@@ -189,7 +189,7 @@ def test_evaluation_lengths_do_not_change_the_trained_model(run_cli, data_cache,
 
 
 def _decayed_names(model) -> set[str]:
-    from posbench.train import make_optimizer
+    from posbench.optim import make_optimizer
 
     opt = make_optimizer(model, OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}), fused=False)
     ids = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}

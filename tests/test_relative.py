@@ -31,6 +31,7 @@ from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
 import posbench.attention as attention
+import posbench.flex as flex
 from posbench import build, cli
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.schemes import SCHEMES, build_scheme
@@ -237,7 +238,7 @@ def test_the_model_s_kernel_choice(name):
     if name in INVARIANT:  # a per-distance table: the banded kernel (fused CPU attention with a sliding mask)
         assert evaluation == "banded"
     else:
-        assert evaluation == ("flex" if attention.flex_attention is not None and attention._flex_cpu_works else "dense")
+        assert evaluation == ("flex" if flex.flex_attention is not None and attention._flex_cpu_works else "dense")
 
 
 @pytest.mark.parametrize("positions", ["offset", "random"])

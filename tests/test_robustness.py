@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posbench import evaluate as ev
-from posbench import train, train_job
+from posbench import optim, train, train_job
 from posbench.build import build_model
 
 
@@ -67,7 +67,7 @@ def test_compile_falls_back_to_eager_in_the_first_step_only(monkeypatch, caplog,
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     flaky = Flaky(net, fail_at={1} if failure == "forward" else (), bad_backward=failure == "backward")
     monkeypatch.setattr(torch, "compile", lambda module: flaky)
-    fwd = train.Forward(net, compile=True)
+    fwd = optim.Forward(net, compile=True)
     loss = one_step(fwd, net, optimizer)
     assert fwd.run is net and "training in eager mode" in caplog.text
     torch.testing.assert_close(net.weight.grad, torch.full((1, 3), 2.0))  # d/dW of Σ (W·1 + b) over 2 rows, once
@@ -75,7 +75,7 @@ def test_compile_falls_back_to_eager_in_the_first_step_only(monkeypatch, caplog,
 
     flaky = Flaky(net, fail_at={2})
     monkeypatch.setattr(torch, "compile", lambda module: flaky)
-    fwd = train.Forward(net, compile=True)
+    fwd = optim.Forward(net, compile=True)
     one_step(fwd, net, optimizer)  # the first step compiled, forward and backward
     assert fwd.run is flaky
     with pytest.raises(RuntimeError, match="compiled call 2 failed"):  # a later error is the step's, not a fallback

@@ -9,7 +9,7 @@ import math
 import pytest
 from test_refusals import refused, run_into, snapshot
 
-from posbench.train import lr_factor
+from posbench.optim import lr_factor
 
 LR, MIN_LR = 2e-3, 2e-4  # the defaults
 

@@ -1,0 +1,130 @@
+"""Causal attention with a bias through SDPA's fused kernels, one block of queries at a time, and the bias blocks:
+the ``folded`` and ``banded`` kernels of posbench/attention.py, and the per-distance table and dense mask its
+kernels share. The kernels take the attention module's context (``ctx``) as built for them; each returns
+softmax(q·kᵀ/√Dh + bias, later keys masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
+
+* ``folded`` — a key-only bias (ALiBi). Softmax ignores a term constant across a query's row, so Press et al. 2022
+  (§3)'s −m·(i − j) may be replaced by the key-only −m·(c − j) for a reference position c, which is one extra head
+  dimension: q' = (q/√Dh, 1), k' = (k, bias(c, j)), v' = (v, 0) at scale 1 give q·k/√Dh + bias(c, j) in SDPA's
+  fused kernels. Queries go in blocks of :data:`FOLD_QUERIES`, c the middle of each, so the folded bias of the keys
+  a query attends to stays small (fp32 keeps ~1e-6, where one c for 8192 positions loses ~1e-4). A window of one
+  block runs causal SDPA; without gradients a longer one runs, per block, a causal diagonal square and the unmasked
+  keys before it, merged by their log-sum-exps (the square's weight is σ(lse_square − lse_past)); with gradients,
+  each block against all its keys with a causal float mask.
+* ``banded`` — a bias of the distance alone, from its table per distance (H, N), without gradients. A
+  ``far_constant`` bias (T5 past ``max_distance``) is the same constant c_h for every distance from D on. Per block of
+  :data:`FOLD_QUERIES` queries [s, e), the keys j ≤ s − D all carry c_h: one unmasked SDPA over them, whose
+  log-sum-exp takes + c_h. The keys after them carry the table's bias, indexed by i − j, and the causal mask: one
+  SDPA with a float mask of (H, e − s, e − s + D − 1). Both are merged by their log-sum-exps, as in ``folded``. With
+  positions 0…T−1 plus an offset, every block's mask is a slice of one (H, Q, Q + D − 1) pattern built once per
+  forward pass (:func:`banded_pattern`: a sliding view, no copy); other increasing positions build each block's mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from posbench.schemes.base import PositionalScheme
+
+FOLD_QUERIES = 256  # folded and banded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
+# SDPA's fused CPU kernel, which also returns each query's log-sum-exp (B, H, Tq); no gradient flows through
+# the log-sum-exp, so it serves evaluation only. A private ATen op (torch ≥ 2.2): None where it is missing.
+flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """i − j of broadcastable int positions, future keys (negative) as 0: the table's column (the mask hides them)."""
+    return (q_pos - k_pos).clamp(0, table.shape[-1] - 1)
+
+
+def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype,
+                   span: int | None = None) -> torch.Tensor:
+    """The bias of a ``distance_table`` scheme at every distance n = 0…N−1 a window at positions ``pos`` (T,) int64
+    holds, N = ``span`` or max(pos) − min(pos) + 1: ``scheme.pair_bias`` of queries at n against a key at 0 → (H, N), in
+    ``dtype`` or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any
+    kernel)."""
+    n = torch.arange(span or int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
+    return scheme.pair_bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
+
+
+def dense_mask(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, s: int, e: int,
+               dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Bias plus causal mask of queries s…e−1 against keys 0…e−1: (H, e − s, e) in ``dtype``, −inf where the
+    key comes after the query (by index). The bias is ``scheme.pair_bias`` of those positions, or, for a
+    ``distance_table`` scheme, its :func:`distance_table` (``table``, or built here) indexed by i − j."""
+    if scheme.distance_table:
+        table = distance_table(scheme, pos, dtype) if table is None else table  # (H, N)
+        bias = table[:, distances(table, pos[s:e, None], pos[None, :e])]  # (H, e-s, e)
+    else:
+        bias = scheme.pair_bias(pos[s:e], pos[:e], dtype)  # (H, e-s, e)
+    future = torch.arange(e, device=pos.device)[None, :] > torch.arange(s, e, device=pos.device)[:, None]  # (e-s, e)
+    return bias.masked_fill(future, float("-inf")).to(dtype).expand(n_head, e - s, e)
+
+
+# ---- folded: a key-only bias as one extra head dimension -------------------------------------------------
+
+
+def folded(q, k, v, ctx) -> torch.Tensor:
+    """Per query block [s, e) with reference c: keys 0…e−1 carry bias(c, j) in the extra dimension."""
+    B, H, T, Dh = q.shape
+    qf = F.pad(q * (1.0 / math.sqrt(Dh)), (0, 1), value=1.0)  # (B, H, T, Dh+1): (q/√Dh, 1)
+    vf = F.pad(v, (0, 1))  # (B, H, T, Dh+1): the fused CPU kernel needs one width for q, k and v
+    if len(ctx.blocks) == 1:
+        kf = torch.cat((k, ctx.key_bias[0].expand(B, H, T)[..., None]), dim=-1)  # (B, H, T, Dh+1)
+        return F.scaled_dot_product_attention(qf, kf, vf, dropout_p=ctx.dropout, is_causal=True, scale=1.0)[..., :Dh]
+    if ctx.fold_mask is None:  # no gradients, no dropout: diagonal square (causal) + the keys before it, merged
+        kf = F.pad(k, (0, 1))  # (B, H, T, Dh+1); the last column is rewritten for each block's reference
+        y = torch.empty_like(qf)  # (B, H, T, Dh+1)
+        for (s, e), bias in zip(ctx.blocks, ctx.key_bias):
+            kf[:, :, :e, Dh] = bias  # (H, e) into (B, H, e)
+            y_diag, lse_diag = flash_cpu(qf[:, :, s:e], kf[:, :, s:e], vf[:, :, s:e], 0.0, True, scale=1.0)
+            if s:  # weight of the square = Z_diag / (Z_diag + Z_past) = sigmoid(lse_diag − lse_past), (B, H, e-s)
+                y_past, lse_past = flash_cpu(qf[:, :, s:e], kf[:, :, :s], vf[:, :, :s], 0.0, False, scale=1.0)
+                y_diag = torch.lerp(y_past, y_diag, torch.sigmoid(lse_diag - lse_past)[..., None])
+            y[:, :, s:e] = y_diag  # (B, H, e-s, Dh+1)
+        return y[..., :Dh]  # (B, H, T, Dh)
+    out = []
+    for (s, e), bias in zip(ctx.blocks, ctx.key_bias):  # differentiable: each block against keys 0…e−1, masked
+        kf = torch.cat((k[:, :, :e], bias.expand(B, H, e)[..., None]), dim=-1)  # (B, H, e, Dh+1)
+        mask = ctx.fold_mask[: e - s, T - s: T + e - s]  # (e-s, e): 0 before key s, causal from s on
+        out.append(F.scaled_dot_product_attention(qf[:, :, s:e], kf, vf[:, :, :e], attn_mask=mask,
+                                                  dropout_p=ctx.dropout, scale=1.0))  # (B, H, e-s, Dh+1)
+    return torch.cat(out, dim=2)[..., :Dh]  # (B, H, T, Dh)
+
+
+# ---- banded: a bias of i − j alone, a sliding mask per query block (T5: its far keys unmasked) ---------------------
+
+
+def banded_pattern(table: torch.Tensor, Q: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """The near keys' bias and causal mask of a query block at positions 0…T−1 plus an offset, rows reversed, as a
+    view of one (H, 2Q + D − 2) tensor: (H, Q, Q + D − 1), row Q − 1 − r (query s + r) against column c (key
+    s − D + 1 + c) holding the bias of distance r + D − 1 − c, −inf for a later key. (Reversed rows make it a
+    sliding window, ``unfold``, with no copy.)"""
+    x = torch.arange(-(Q - 1), D, device=table.device)  # c − r of the rows and columns
+    near = table[:, (D - 1 - x).clamp(0, table.shape[-1] - 1)].to(dtype)  # (H, Q + D - 1)
+    later = torch.full((table.shape[0], Q - 1), float("-inf"), dtype=dtype, device=table.device)  # c − r ≥ D
+    return torch.cat((near, later), dim=1).unfold(1, Q + D - 1, 1)  # (H, Q, Q + D - 1)
+
+
+def banded(q, k, v, ctx) -> torch.Tensor:
+    """Per query block [s, e): the near keys (the table's bias, causal) and, for a far_constant scheme, the far keys
+    0…s − D (bias c_h, unmasked), merged by their log-sum-exps (:func:`folded`'s merge)."""
+    D, H = ctx.far, q.shape[1]
+    y = torch.empty_like(q)  # (B, H, T, Dh)
+    for s, e in ctx.blocks:
+        a = max(0, s - D + 1)  # the first near key
+        if ctx.masks:  # the pattern's rows reversed: the block's queries go in reversed, come out reversed back
+            Q, first = ctx.masks[0].shape[1], a - (s - D + 1)  # key j is column j − (s − D + 1)
+            mask, qb = ctx.masks[0][:, Q - (e - s):, first: first + e - a], q[:, :, s:e].flip(2)  # (H, e-s, e-a)
+        else:
+            mask, qb = dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, ctx.table)[:, :, a:], q[:, :, s:e]
+        yb, lse = flash_cpu(qb, k[:, :, a:e], v[:, :, a:e], 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
+        if a:  # the far keys: weight of the near ones = sigmoid(lse_near − lse_far − c_h)
+            y_far, lse_far = flash_cpu(qb, k[:, :, :a], v[:, :, :a], 0.0, False)  # (B, H, e-s, Dh), (B, H, e-s)
+            w = torch.sigmoid(lse - lse_far - ctx.far_bias[:, None].to(lse.dtype))  # (B, H, e-s)
+            yb = torch.lerp(y_far, yb, w[..., None].to(yb.dtype))
+        y[:, :, s:e] = yb.flip(2) if ctx.masks else yb
+    return y  # (B, H, T, Dh)

@@ -1,0 +1,104 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``, PyTorch ≥ 2.5; Dong et al. 2024, arXiv:2412.05496) for the
+attention module's ``flex`` kernel: the score_mod of a scheme or of its bias table, the causal BlockMask, Triton
+options, and one compiled flex_attention per process under a recompile limit that raises.
+
+    score_mod = flex.score_mod(scheme, pos, table)            # pos (T,) int64; table (H, N), (H, T, T) or None
+    y = flex.run(q, k, v, score_mod, flex.causal_block_mask(T, q.device), flex.kernel_options(q.device, table))
+
+Compiled with automatic dynamic shapes: the second length compiles a dynamic kernel that most later lengths reuse,
+and each compilation is logged ("compiling the attention kernel for length T"). Past :data:`VARIANTS` compiled
+variants in a process it raises rather than fall back to Flex's eager form, which materialises every score;
+:func:`reset_compiled` between jobs of one process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from posbench.blockwise import distances
+from posbench.schemes.base import PositionalScheme
+
+log = logging.getLogger("posbench")
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch < 2.5
+    flex_attention = create_block_mask = None
+
+TABLE_OPTIONS = {"num_stages": 2}  # CUDA, a score_mod reading a table (:func:`kernel_options`)
+VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
+_compiled = None
+_compile_callbacks = torch._dynamo.callback.callback_handler  # Dynamo's compile-start hooks (:func:`run`)
+_block_masks: dict[tuple[int, str], object] = {}
+
+
+def score_mod(scheme: PositionalScheme, pos: torch.Tensor, table: torch.Tensor | None):
+    """The score_mod with Flex's signature (score, b, h, q_idx, kv_idx), positions ``pos`` (T,) looked up from the
+    indices: ``table`` (H, N) indexed by i − j, or (H, T, T) by the indices; without one, the scheme's own pointwise
+    ``score_mod``. A table's score_mod captures tensors only, so a new model or layer with the same shapes reuses the
+    compiled kernel."""
+    if table is None:
+        def mod(score, b, h, q_idx, kv_idx):
+            return scheme.score_mod(score, h, pos[q_idx], pos[kv_idx]).to(score.dtype)
+    elif table.dim() == 2:
+        def mod(score, b, h, q_idx, kv_idx):  # the bias of distance i − j
+            return score + table[h, distances(table, pos[q_idx], pos[kv_idx])].to(score.dtype)
+    else:
+        def mod(score, b, h, q_idx, kv_idx):  # the bias of query q_idx and key kv_idx
+            return score + table[h, q_idx, kv_idx].to(score.dtype)
+    return mod
+
+
+def kernel_options(device: torch.device, table: torch.Tensor | None) -> dict | None:
+    """Triton options for Flex's kernels: :data:`TABLE_OPTIONS` on CUDA when the score_mod reads a ``table`` (the
+    first H100 run: Inductor's default three pipeline stages, with the table's loads fused in, asked for 240 KiB of
+    shared memory where the device has 227 KiB, and no configuration compiled), else Inductor's defaults (None)."""
+    return TABLE_OPTIONS if device.type == "cuda" and table is not None else None
+
+
+def reset_compiled() -> None:
+    """Drop every compiled kernel and cached BlockMask of this process (Dynamo's caches included): between two jobs
+    of one process (a sweep without joblib, a joblib worker), so that the next job compiles for itself."""
+    torch._dynamo.reset()
+    _block_masks.clear()
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(T: int, device: torch.device):
+    """The causal BlockMask of length T on ``device`` (by index), built once per (T, device)."""
+    key = (T, str(device))
+    if key not in _block_masks:
+        _block_masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
+    return _block_masks[key]
+
+
+def run(q, k, v, mod, block_mask, options: dict | None) -> torch.Tensor:
+    """flex_attention(q, k, v) with score_mod ``mod``, q, k, v (B, H, T, Dh) → (B, H, T, Dh). Inside a compiled model
+    (``train.compile``) the plain call, which that compile covers; otherwise the compiled call under a recompile
+    limit of :data:`VARIANTS` that raises (``torch._dynamo.exc.FailOnRecompileLimitHit``) when reached. When Dynamo
+    compiles in this call (a new shape: seconds on a CPU), "compiling the attention kernel for length T" is logged
+    as the compilation starts (Dynamo's compile-start callback), once per call."""
+    global _compiled
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options)
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    said = []
+
+    def compiling(*_):  # (torch passes CallbackArgs; older versions nothing)
+        if not said:
+            said.append(True)
+            log.info("compiling the attention kernel for length %d", q.shape[2])
+
+    _compile_callbacks.register_start_callback(compiling)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=VARIANTS, fail_on_recompile_limit_hit=True):
+            return _compiled(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options)  # (B, H, T, Dh)
+    finally:
+        if compiling in _compile_callbacks.start_callbacks:  # (torch._dynamo.reset() clears them)
+            _compile_callbacks.remove_start_callback(compiling)
