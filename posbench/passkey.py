@@ -11,7 +11,7 @@ The key's tokens in that query are scored teacher-forced (docs/design.md §6.4):
 
 Trials are a pure function of (seed, T, trial index) and the tokenizer, so every scheme trained on the same corpus
 is probed on the same windows, and cells pair across schemes. The same needle format serves training
-(``data.passkey_rate``: :func:`insert`), with fresh keys and needle-to-query distances within the window.
+(``data.passkey_rate``: posbench/batches.py's ``insert``), with fresh keys and needle-to-query distances within the window.
 
     needle = make_needle(tokenizer_path, train_tokens, " The pass key is", ".", key_length=4, key_vocab=10, keys="digits")
     rows = probe(model, eval_tokens, needle, lengths=[128, 256], depths=[0, 0.5, 1], trials=20, seed=0)
@@ -276,75 +276,3 @@ def accuracy(trials_: list[dict]) -> dict[int, float]:
     """{length: exact-match accuracy} of scored trials (:func:`probe`'s)."""
     lengths = sorted({t["length"] for t in trials_})
     return {n: float(np.mean([t["correct"] for t in trials_ if t["length"] == n])) for n in lengths}
-
-
-def insert(crops: np.ndarray, needle: Needle, rate: float, rng: np.random.Generator, pairs: int = 1,
-           skip: np.ndarray | None = None) -> np.ndarray:
-    """Training windows with needle + query pairs (``data.passkey_rate``, ``data.passkey_pairs``): each of the
-    (B, W) ``crops`` gets ``pairs`` of them with probability ``rate`` (rows in ``skip``, a (B,) bool mask, never),
-    overwriting its tokens, each pair with a fresh key. One pair: the query at b uniform in [needle, W − query], the
-    needle at a uniform in [0, b − needle]. Several: :func:`layout`, pairs one after another, so each query asks
-    for the key of the needle just before it and no query is ambiguous. Returns ``crops`` (changed in place).
-    Windows shorter than the pairs' needles and queries are left as they are."""
-    width = crops.shape[1]
-    last = width - needle.query_length
-    for row in np.flatnonzero(rng.random(len(crops)) < rate):
-        if last < needle.needle_length or width < pairs * (needle.needle_length + needle.query_length):
-            break
-        if skip is not None and skip[row]:
-            continue
-        if pairs == 1:
-            key = needle.draw_key(rng)
-            b = int(rng.integers(needle.needle_length, last + 1))
-            a = int(rng.integers(0, b - needle.needle_length + 1))
-            places = [(a, b, key)]
-        else:
-            places = [(a, b, needle.draw_key(rng)) for a, b in layout(width, needle, pairs, rng)]
-        for a, b, key in places:
-            crops[row, a: a + needle.needle_length] = [*needle.marker, *key, *needle.end]
-            crops[row, b: b + needle.query_length] = [*needle.marker, *key]
-    return crops
-
-
-def layout(width: int, needle: Needle, pairs: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """Where ``pairs`` ≥ 1 needle + query pairs go in a window of ``width`` tokens: [(a_i, b_i)], needle i at a_i,
-    its query at b_i, in order a_1 < b_1 < a_2 < b_2 < …. Each pair's distance d_i = b_i − a_i (key to key) is drawn
-    log-uniformly from [needle, needle + room] (room: the tokens the other pairs leave; the pairs draw in random
-    order, so the long one may fall anywhere), then the haystack left over is split into pairs + 1 gaps by uniform
-    cut points. The first pair to draw is log-uniform over the whole room, later ones over what is left: every octave of
-    distance gets pairs, short ones as a probe's needle at depth 1 and long ones up to the window, with many distinct
-    distances (a few would teach a positional shortcut instead of copying: Kawata et al. 2025). (One pair per window,
-    :func:`insert`'s default, keeps the older uniform draw.) Raises ValueError when the pairs do not fit in ``width``."""
-    n, q = needle.needle_length, needle.query_length
-    room = width - pairs * (n + q)
-    if room < 0:
-        raise ValueError(f"{pairs} needle + query pairs need {pairs * (n + q)} tokens, more than a window of {width}")
-    distance = np.zeros(pairs, dtype=np.int64)
-    for i in rng.permutation(pairs):
-        distance[i] = min(n + room, int(math.exp(rng.uniform(math.log(n), math.log(n + room + 1)))))
-        room -= int(distance[i]) - n
-    gaps = np.diff([0, *np.sort(rng.integers(0, room + 1, pairs)), room])  # (pairs + 1,) haystack between pairs
-    out, at = [], int(gaps[0])
-    for i in range(pairs):
-        out.append((at, at + int(distance[i])))
-        at += int(distance[i]) + q + int(gaps[i + 1])
-    return out
-
-
-def copy_spans(crops: np.ndarray, separator: int, vocab_size: int, rate: float, rng: np.random.Generator) -> np.ndarray:
-    """Copy windows (``data.copy_rate``; Bi-Induct's induction curriculum): each of the (B, W) ``crops`` with
-    probability ``rate`` starts with a span of m random tokens (uniform over the vocabulary's ``vocab_size`` ids but
-    ``separator``), the ``separator``, the same m tokens again, then goes on with its own text, cut to W (m uniform
-    in [1, (W − 1) // 2]). The repeat is predictable only by copying from m + 1 tokens back, the signal an induction
-    head learns from (repeated random tokens: Olsson et al. 2022); a span of the corpus's own text would be half
-    predictable without it. Returns the (B,) bool mask of the rows made copy windows; ``crops`` changes in place."""
-    width = crops.shape[1]
-    chosen = rng.random(len(crops)) < rate
-    if width < 3:
-        return np.zeros(len(crops), dtype=bool)
-    for row in np.flatnonzero(chosen):
-        m = int(rng.integers(1, (width - 1) // 2 + 1))
-        span = rng.integers(0, vocab_size - 1, m)
-        span += span >= separator  # (uniform over every id but the separator)
-        crops[row] = np.concatenate([span, [separator], span, crops[row]])[:width]
-    return chosen

@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_module
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posbench import passkey
+from posbench import batches, passkey
 from posbench.cli import register
 from posbench.config import ConfigError, finalize
 from posbench.batches import copy_rate, get_batch
@@ -38,7 +38,7 @@ def find(seq: list[int], sub) -> list[int]:
 def test_pairs_follow_one_another_so_each_query_answers_the_needle_just_before_it(pairs, width):
     rng = np.random.default_rng(0)
     crops = np.tile(stream(width)[None], (200, 1))
-    passkey.insert(crops, NEEDLE, 1.0, rng, pairs)
+    batches.insert(crops, NEEDLE, 1.0, rng, pairs)
     for row in crops.tolist():
         at = find(row, [40, 41, 42])
         assert len(at) == 2 * pairs  # needle, query, needle, query, …
@@ -56,7 +56,7 @@ def test_one_pair_keeps_todays_draws():
     """data.passkey_pairs=1 is the old insertion, draw for draw (the construction below is the old code's order)."""
     tokens, width = stream(), 33
     crops = np.tile(tokens[:width][None], (16, 1))
-    got = passkey.insert(crops.copy(), NEEDLE, 0.5, np.random.default_rng(3), 1)
+    got = batches.insert(crops.copy(), NEEDLE, 0.5, np.random.default_rng(3), 1)
     rng, want = np.random.default_rng(3), crops.copy()
     for row in np.flatnonzero(rng.random(16) < 0.5):
         key = np.arange(20, 30)[rng.integers(0, 10, 3)]
@@ -72,7 +72,7 @@ def test_layout_of_one_pair_draws_log_uniform_distances():
     n, q, width = 7, 6, 520
     room = width - n - q
     rng = np.random.default_rng(1)
-    d = np.array([b - a for _ in range(20000) for a, b in passkey.layout(width, NEEDLE, 1, rng)])
+    d = np.array([b - a for _ in range(20000) for a, b in batches.layout(width, NEEDLE, 1, rng)])
     assert d.min() >= n and d.max() <= n + room
     for x in (10, 20, 60, 200, 400):
         cdf = math.log((x + 1) / n) / math.log((n + room + 1) / n)
@@ -81,14 +81,14 @@ def test_layout_of_one_pair_draws_log_uniform_distances():
 
 def test_many_pairs_still_reach_long_distances():
     rng = np.random.default_rng(2)
-    d = [b - a for _ in range(3000) for a, b in passkey.layout(129, NEEDLE, 4, rng)]
+    d = [b - a for _ in range(3000) for a, b in batches.layout(129, NEEDLE, 4, rng)]
     assert min(d) == 7 and max(d) >= 129 - 4 * 13 + 7 - 5  # the longest pair takes nearly all the free room
     assert len(set(d)) > 40  # many distinct distances, not a few
 
 
 def test_pairs_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="3 needle \\+ query pairs need 39 tokens, more than a window of 38"):
-        passkey.layout(38, NEEDLE, 3, np.random.default_rng(0))
+        batches.layout(38, NEEDLE, 3, np.random.default_rng(0))
 
 
 # ---- copy windows --------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_copy_windows_repeat_a_random_span_after_the_separator():
     starts = np.random.default_rng(0).integers(0, 4000, 300)
     crops = np.stack([tokens[s: s + width] for s in starts])
     original = crops.copy()
-    chosen = passkey.copy_spans(crops, 7, vocab, 0.5, np.random.default_rng(9))
+    chosen = batches.copy_spans(crops, 7, vocab, 0.5, np.random.default_rng(9))
     assert 100 < chosen.sum() < 200 and np.array_equal(crops[~chosen], original[~chosen])
     spans = []
     for row, text in zip(crops[chosen], original[chosen]):
@@ -114,7 +114,7 @@ def test_copy_windows_repeat_a_random_span_after_the_separator():
 
 def test_copy_span_lengths_cover_one_to_half_the_window():
     crops = np.ones((4000, 65), dtype=np.int64)
-    passkey.copy_spans(crops, 0, 50, 1.0, np.random.default_rng(4))
+    batches.copy_spans(crops, 0, 50, 1.0, np.random.default_rng(4))
     m = np.argmax(crops == 0, axis=1)  # the separator's position = the span's length
     assert m.min() == 1 and m.max() == 32 and len(set(m.tolist())) == 32
 
@@ -136,7 +136,7 @@ def test_a_batch_with_copies_and_needles_is_the_two_generators_draws():
     for row in np.flatnonzero(rng.random(B) < 0.7):
         if copied[row]:
             continue
-        for a, b in passkey.layout(L + 1, NEEDLE, 2, rng):
+        for a, b in batches.layout(L + 1, NEEDLE, 2, rng):
             key = np.arange(20, 30)[rng.integers(0, 10, 3)]
             want[row, a: a + 7] = [40, 41, 42, *key, 43]
             want[row, b: b + 6] = [40, 41, 42, *key]
