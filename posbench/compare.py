@@ -2,11 +2,12 @@
 cells it shows (docs/design.md §8). posbench/report.py renders what this module computes.
 
 * :func:`collect` — every usable record under some folders (``results.json`` and ``eval-*.json``, written by
-  posbench/results.py), each skipped one with its reason;
+  posbench/results.py), each skipped one with its reason, and its row: the full ``setting``, a short ``label`` and
+  the settings that tell rows apart (``differs``);
 * :func:`settings` — how the records' configs differ: the keys that label rows, the settings held fixed;
 * :func:`fold` — one row per (table, setting, evaluation length): exp(mean NLL over seeds) ± std over seeds, the
   best cell of each column and the significance test against it (posbench/stats.py);
-* :func:`ppl_series`, :func:`position_curves` and :func:`setting_order` — what the report's plots and wandb draw.
+* :func:`ppl_series`, :func:`position_curves` and :func:`labels` — what the report's plots and wandb draw.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "
 FT_KEYS = ("train.seq_len", "train.steps")  # what a fine-tuned run's label states (ft512×200)
 TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions")  # what every label states (+rand2048)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
+LABEL_WIDTH = 40  # the longest short row label with values (``alibi, data.passkey_rate=0.1``); longer: ``alibi #2``
 
 
 class ReportError(ValueError):
@@ -35,8 +37,8 @@ class ReportError(ValueError):
 
 
 def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
-    """Every usable record under ``folders`` (sorted by path; its config upgraded to today's schema, and
-    ``setting``/``order`` set: its row label and sort key), and one line per file skipped with the reason.
+    """Every usable record under ``folders`` (sorted by path; its config upgraded to today's schema, and its row set:
+    ``setting``, ``order``, ``label`` and ``differs``, see :func:`_dedupe`), and one line per file skipped with the reason.
 
     Skipped: a run folder with no results yet (still running, or stopped before evaluation), a run
     marked failed, a broken results file, a config that does not fit the schema, a run whose train
@@ -101,20 +103,44 @@ def _label_order(rec: dict) -> tuple:
 
 
 def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[str]]:
-    """Set each record's row label and sort key; keep the first (by path) of records with the same label, seed
-    and evaluation settings, and add a ``duplicate of <path>`` line to ``skipped`` for each other one."""
+    """Set each record's row: ``setting`` (its run label and its label keys' values: ``alibi, data.passkey_rate=0.1``),
+    ``order`` (its sort key), ``differs`` ({key: value as text} of every key that labels some row, where the record's
+    config has it: a fine-tuned row's ``train.seq_len`` too) and ``label`` (:func:`_short_labels`); keep the
+    first (by path) of records with the same setting, seed and evaluation settings, and add a ``duplicate of <path>``
+    line to ``skipped`` for each other one."""
     label_keys, kept, first = settings(records)[0], [], {}
+    every = sorted({k for keys in label_keys.values() for k in keys})
     for rec in sorted(records, key=lambda r: r["path"]):
         flat, label = _flat(rec["config"]), label_of(rec)
         keys = label_keys[label]
-        rec["setting"] = ", ".join([label, *(f"{k}={_show(flat[k])}" for k in keys)])
+        rec["differs"] = {k: _show(flat[k]) for k in every if k in flat}
+        rec["setting"] = ", ".join([label, *(f"{k}={rec['differs'][k]}" for k in keys)])
         rec["order"] = (_label_order(rec), *(value_key(json.loads(flat[k])) for k in keys))
         earlier = first.setdefault((rec["setting"], json.dumps(rec["seed"]), eval_settings(rec)), rec["path"])
         if earlier != rec["path"]:
             skipped.append(f"{rec['path']}: duplicate of {earlier}")
         else:
             kept.append(rec)
+    _short_labels(kept)
     return kept, skipped
+
+
+def _short_labels(records: list[dict]) -> None:
+    """Set each record's ``label``: its run label (:func:`label_of`), then, where rows of several settings share that
+    run label, the values that tell those rows apart (``rope, scheme.base=500.0``), or, where those would make the
+    label longer than :data:`LABEL_WIDTH` characters, the row's place among them in row order (``alibi #2``). The
+    other settings that differ between runs are the report's legend tables (``differs``)."""
+    groups = defaultdict(dict)
+    for rec in sorted(records, key=lambda r: r["order"]):
+        groups[label_of(rec)].setdefault(rec["setting"], rec["differs"])
+    short = {}
+    for name, rows in groups.items():
+        keys = [k for k in dict.fromkeys(k for d in rows.values() for k in d) if len({d.get(k) for d in rows.values()}) > 1]
+        for i, (setting, differs) in enumerate(rows.items(), 1):
+            label = ", ".join([name, *(f"{k}={differs.get(k, '–')}" for k in keys)])
+            short[setting] = label if len(label) <= LABEL_WIDTH or len(rows) == 1 else f"{name} #{i}"
+    for rec in records:
+        rec["label"] = short[rec["setting"]]
 
 
 RECORD_KEYS = ("format", "scheme", "train_length", "protocol", "stride", "split", "seed", "config", "results")
@@ -206,12 +232,13 @@ def _preference(group: tuple, n_records: int) -> tuple:
 
 
 def fold(records: list[dict]) -> list[dict]:
-    """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order (table 1 is
-    plotted), settings in row order. Each row: ``table``, ``setting``, the evaluation settings, ``length``,
+    """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order, settings in row order.
+    Each row: ``table``, ``setting``, ``label`` and ``differs`` (:func:`_dedupe`), the evaluation settings, ``length``,
     and :func:`posbench.stats.summary` and :func:`posbench.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
     over seeds) (perplexity), ``ppl_std`` (std over seeds of the per-seed perplexity), ``nll_mean``/``nll_std``
     (nats/token), ``seeds``, ``best`` and the test against the best row of its table at that length
-    (``test``: welch | bootstrap | n/a | best, ``p_value``, ``ci_low``/``ci_high``, ``significantly_worse``)."""
+    (``reference``/``reference_label``: that row's setting and label; ``test``: welch | bootstrap | n/a | best,
+    ``p_value``, ``ci_low``/``ci_high``, ``significantly_worse``, ``windows``)."""
     groups = defaultdict(lambda: defaultdict(list))
     for rec in records:
         groups[eval_settings(rec)][(rec["order"], rec["setting"])].append(rec)
@@ -226,11 +253,16 @@ def fold(records: list[dict]) -> list[dict]:
             recs = sorted(recs, key=lambda r: value_key(r["seed"]))
             for length in lengths:
                 res = [next(r for r in rec["results"] if r["length"] == length) for rec in recs]
-                cells[setting, length] = {**head, "setting": setting, "length": length, **_budget(recs[0]), **stats.summary(
+                cells[setting, length] = {**head, "setting": setting, "label": recs[0]["label"],
+                                          "differs": recs[0]["differs"], "length": length, **_budget(recs[0]), **stats.summary(
                     [r["nll"] for r in res], [(r["window_nll"], r["window_tokens"]) if "window_nll" in r and
                                               "window_tokens" in r else None for r in res])}
         for length in lengths:
-            stats.rank([c for (_, n), c in cells.items() if n == length])
+            column = [c for (_, n), c in cells.items() if n == length]
+            stats.rank(column)
+            best = next(c for c in column if c["best"])
+            for c in column:
+                c.update(reference=best["setting"], reference_label=best["label"])
         rows += cells.values()
     return rows
 
@@ -247,13 +279,13 @@ def _budget(rec: dict) -> dict:
 
 
 def ppl_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
-    """{setting: (lengths, perplexity exp(mean NLL))} of the plotted table (the first: validation split,
-    nonoverlapping when present)."""
+    """{row label: (lengths, perplexity exp(mean NLL))} of the first table (validation split, nonoverlapping when
+    present): wandb's chart."""
     first = min(r["table"] for r in rows)
     series = defaultdict(lambda: ([], []))
     for r in sorted((r for r in rows if r["table"] == first), key=lambda r: r["length"]):
-        series[r["setting"]][0].append(r["length"])
-        series[r["setting"]][1].append(r["ppl"])
+        series[r["label"]][0].append(r["length"])
+        series[r["label"]][1].append(r["ppl"])
     return dict(series)
 
 
@@ -270,11 +302,10 @@ def finetune_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     return dict(series)
 
 
-def position_curves(records: list[dict], rows: list[dict]) -> dict[tuple[str, int], tuple[list, list]]:
-    """{(setting, longest length): (bin centres, NLL)} of the plotted table's evaluation setting: each setting's
-    NLL by token position (nats/token, 1-based bin centres) at its longest evaluation length, mean over seeds."""
-    first = min(r["table"] for r in rows)
-    group = next(r["eval_settings"] for r in rows if r["table"] == first)
+def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[tuple[str, int], tuple[list, list]]:
+    """{(setting, longest length): (bin centres, NLL)} of one table's evaluation setting: each setting's NLL by token
+    position (nats/token, 1-based bin centres) at its longest evaluation length, mean over seeds."""
+    group = next(r["eval_settings"] for r in rows if r["table"] == table)
     runs = defaultdict(list)
     for rec in records:
         if eval_settings(rec) == group:
@@ -288,6 +319,6 @@ def position_curves(records: list[dict], rows: list[dict]) -> dict[tuple[str, in
     return curves
 
 
-def setting_order(records: list[dict]) -> list[str]:
-    """Every record's row label, in row order: one colour (and line style) each, the same in both plots."""
-    return [s for _, s in sorted({(r["order"], r["setting"]) for r in records})]
+def labels(records: list[dict]) -> dict[str, str]:
+    """{setting: short row label} of every record, in row order: one colour (and line style) each, the same in every plot."""
+    return {s: label for _, s, label in sorted({(r["order"], r["setting"], r["label"]) for r in records})}

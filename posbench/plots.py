@@ -1,8 +1,10 @@
 """The report's plots, drawn from what they are given (posbench/compare.py and posbench/retrieval.py compute it,
 posbench/report.py calls the functions here):
 
-* ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands;
-* ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds;
+* ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands, a
+  panel per evaluation setting (the report's tables);
+* ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds, a panel per
+  evaluation setting;
 * ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
   evaluation length against fine-tuning tokens, one line per method;
 * ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (:func:`draw_passkey`, when runs were probed) — retrieval
@@ -12,175 +14,225 @@ posbench/report.py calls the functions here):
 * ``context_vs_length.png`` (:func:`draw_context`, when runs measured context use) — the mean NLL difference past L
   (whole window − sliding window of L) against evaluation length, with its bootstrap interval.
 
-The first two mark the train length L and give each setting one colour. matplotlib is imported when a plot is drawn, so
-the rest of posbench starts without it.
+Every plot names its rows by their short labels (posbench/compare.py ``labels``: ``alibi #2``; report.md's legend
+tables give their settings), gives each row one colour in every plot, and puts its legend below the axes, never over
+them. The first two mark the train length L. matplotlib is imported when a plot is drawn, so the rest of posbench
+starts without it.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
+WIDTH = 7.2  # figure width, inches
+PANEL = 2.9  # height of one panel, inches
+FONT = 8  # legend and tick-label size, points
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h")  # hollow, one per row (cycled)
 
-def _styles(order: list[str]) -> dict[str, dict]:
-    """One colour (and, past 10 settings, line style) per setting, the same in both plots."""
-    return {name: {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]} for i, name in enumerate(order)}
 
-
-def draw(out: Path, train_length: int, title: str, table: list[dict], curves: dict[tuple[str, int], tuple[list, list]],
-         order: list[str]) -> dict[str, Path]:
-    """Write both plots into ``out``; return their paths.
-
-    Args:
-        train_length: L, marked by a vertical line.
-        title: the evaluation setting in words (second line of each title).
-        table: the plotted table's rows (``posbench.compare.fold``'s), each with ``setting``, ``length``, ``ppl``
-            and ``ppl_std``: one line per setting, in the rows' order, with its ± std band.
-        curves: {(setting, length): (1-based positions, NLL in nats/token)}, one line each.
-        order: every setting, in the order that gives each its colour.
-    """
-    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+def _pyplot():
+    """matplotlib.pyplot drawing to files (imported here: a run that draws no plot never imports matplotlib)."""
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
 
-    style = _styles(order)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for setting in dict.fromkeys(r["setting"] for r in table):
-        xs, ys, sd = zip(*[(r["length"], r["ppl"], r["ppl_std"]) for r in table if r["setting"] == setting])
-        ax.plot(xs, ys, marker="o", label=setting, **style[setting])
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2, color=style[setting]["color"])
-    ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity (exp mean NLL over seeds)",
-           title=f"Perplexity vs evaluation length\n{title}")
-    ax.set_xscale("log", base=2)
-    _finish(plt, fig, ax, train_length, out / "ppl_vs_length.png")
+    return plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (setting, length), (xs, ys) in curves.items():
-        ax.plot(xs, ys, label=f"{setting} ({length})", **style[setting])
-    ax.set(xscale="log", xlabel="token position in the window (1-based)", ylabel="NLL (nats/token, mean over seeds)",
-           title=f"Loss by position at the longest evaluation length\n{title}")
-    _finish(plt, fig, ax, train_length, out / "loss_vs_position.png")
+
+def _styles(labels: dict[str, str]) -> dict[str, dict]:
+    """{setting: line style}: per setting of ``labels`` (in its order) one colour (and, past 10 settings, line style),
+    hollow marker and short label, the same in every plot; a later row's line and marker are thinner and smaller, so
+    rows with equal numbers show as nested markers and a thin line on a thick one rather than one line."""
+    shrink = [i / max(1, len(labels) - 1) for i in range(len(labels))]
+    return {s: {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4], "label": label,
+                "marker": MARKERS[i % len(MARKERS)], "fillstyle": "none", "markersize": 9 - 5 * shrink[i],
+                "linewidth": 2.8 - 1.8 * shrink[i]} for i, (s, label) in enumerate(labels.items())}
+
+
+def _legend_rows(n: int, longest: int) -> tuple[int, int]:
+    """(columns, rows) of a legend of ``n`` entries, the longest ``longest`` characters, across the figure's width."""
+    columns = max(1, min(n, int(WIDTH // (0.07 * longest + 0.6))))
+    return columns, -(-n // columns)
+
+
+def _figure(plt, panels: int, entries: int = 0, longest: int = 1, columns: int = 1):
+    """A figure of ``panels`` axes (``columns`` across) with room below them for a legend of ``entries`` entries,
+    the longest ``longest`` characters."""
+    rows = -(-panels // columns)
+    height = PANEL * rows + 0.6 + 0.2 * _legend_rows(entries, longest)[1]
+    fig, axes = plt.subplots(rows, columns, figsize=(WIDTH, height), squeeze=False, layout="constrained")
+    for ax in list(axes.flat)[panels:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:panels]
+
+
+def _save(plt, fig, path: Path, handles: list) -> Path:
+    """``handles`` as one legend below the axes, ``path`` at 110 dpi; the figure closed."""
+    columns, _ = _legend_rows(len(handles), max((len(h.get_label()) for h in handles), default=1))
+    fig.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=FONT)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _handles(styles: list[dict], train_length: int | None = None) -> list:
+    """Legend entries: one line per style (its colour, line style, marker and label), and the train length's dashed
+    grey line."""
+    from matplotlib.lines import Line2D
+
+    return ([Line2D([], [], **style) for style in styles]
+            + ([Line2D([], [], color="grey", linestyle="--", label=f"L = {train_length}")] if train_length else []))
+
+
+def _title(text: str, width: int = 95) -> str:
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def draw(out: Path, train_length: int, tables: list[tuple[str, list[dict], dict]], labels: dict[str, str]) -> dict[str, Path]:
+    """Write ``ppl_vs_length.png`` and ``loss_vs_position.png`` into ``out``, a panel per evaluation setting; return
+    their paths.
+
+    Args:
+        train_length: L, marked by a vertical line.
+        tables: one (title, rows, curves) per evaluation setting, in the report's table order: ``title`` the setting in
+            words (``1. nonoverlapping, validation split, …``); ``rows`` its rows (``posbench.compare.fold``'s), each
+            with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band; ``curves``
+            {(setting, length): (1-based positions, NLL in nats/token)}: a line each.
+        labels: {setting: short label} of every row, in the order that gives each its colour.
+    """
+    plt = _pyplot()
+    style = _styles(labels)
+    shown = [s for s in labels if any(r["setting"] == s for _, rows, _ in tables for r in rows)]
+    longest = max(len(labels[s]) for s in shown)
+    fig, axes = _figure(plt, len(tables), len(shown) + 1, longest)
+    for ax, (title, rows, _) in zip(axes, tables):
+        for setting in dict.fromkeys(r["setting"] for r in rows):
+            xs, ys, sd = zip(*[(r["length"], r["ppl"], r["ppl_std"]) for r in rows if r["setting"] == setting])
+            ax.plot(xs, ys, **style[setting])
+            ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
+                            color=style[setting]["color"])
+        ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        _panel(ax, train_length, title, "evaluation length (tokens)", "perplexity")
+    fig.suptitle("Perplexity (exp mean NLL over seeds) vs evaluation length", fontsize=10)
+    _save(plt, fig, out / "ppl_vs_length.png", _handles([style[s] for s in shown], train_length))
+
+    fig, axes = _figure(plt, len(tables), len(shown) + 1, longest)
+    for ax, (title, _, curves) in zip(axes, tables):
+        for (setting, length), (xs, ys) in curves.items():
+            ax.plot(xs, ys, markevery=max(1, len(xs) // 8), **{**style[setting], "label": f"{labels[setting]} ({length})"})
+        ax.set_xscale("log")
+        _panel(ax, train_length, title, "token position in the window (1-based)", "NLL (nats/token)")
+    fig.suptitle("Loss by position at each setting's longest evaluation length (mean over seeds)", fontsize=10)
+    _save(plt, fig, out / "loss_vs_position.png", _handles([style[s] for s in shown], train_length))
     return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
+
+
+def _panel(ax, train_length: int, title: str, xlabel: str, ylabel: str) -> None:
+    ax.axvline(train_length, color="grey", linestyle="--")
+    ax.set_xlabel(xlabel, fontsize=FONT)
+    ax.set_ylabel(ylabel, fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
+    ax.set_title(_title(title), fontsize=FONT + 1)
 
 
 def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, title: str) -> Path:
     """Write ``ppl_vs_finetune.png``: for each method (``rope+yarn×4 ft512``), perplexity at evaluation length
     ``length`` against its fine-tuning tokens (0: the parent's weights as they are); return its path."""
-    import matplotlib  # only here: a run that draws no plot never imports matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
+    plt = _pyplot()
     import matplotlib.ticker  # (plain numbers on the axis)
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (method, (xs, ys)) in enumerate(series.items()):
-        ax.plot(xs, ys, marker="o", label=method, color=f"C{i % 10}")
+    styles = list(_styles({method: method for method in series}).values())
+    fig, (ax,) = _figure(plt, 1, len(series), max(map(len, series)))
+    for style, (xs, ys) in zip(styles, series.values()):
+        ax.plot(xs, ys, **style)
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}",
-           title=f"Perplexity at {length} tokens vs fine-tuning budget\n{title}")
-    return _save(plt, fig, ax, out / "ppl_vs_finetune.png")
+    ax.tick_params(labelsize=FONT)
+    ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}")
+    ax.set_title(_title(f"Perplexity at {length} tokens vs fine-tuning budget. {title}"), fontsize=FONT + 1)
+    return _save(plt, fig, out / "ppl_vs_finetune.png", _handles(styles))
 
 
 def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[str, tuple[list, list, list]],
-                 order: list[str]) -> dict[str, Path]:
-    """Write the passkey probe's plots; return their paths.
+                 labels: dict[str, str], title: str) -> dict[str, Path]:
+    """Write the passkey probe's plots of one probe table (``title``: which, in words); return their paths.
 
     * ``passkey_vs_distance.png``: exact-match accuracy against needle-to-query distance in units of L (log2 x),
-      one line per row label (``distance``: {label: (distances / L, accuracy)}), L marked at 1;
-    * ``passkey_heatmap.png``: per row label, accuracy by needle depth (rows) × probe length (columns)
-      (``depth``: {label: (depths, lengths, accuracy[depth][length])})."""
-    import matplotlib  # only here: a run that draws no plot never imports matplotlib
+      one line per row (``distance``: {setting: (distances / L, accuracy)}), L marked at 1;
+    * ``passkey_heatmap.png``: per row, accuracy by needle depth (rows) × probe length (columns)
+      (``depth``: {setting: (depths, lengths, accuracy[depth][length])}), titled with its short label.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
-
-    style = _styles(order)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ``labels``: {setting: short label} of every row, in the order that gives each its colour."""
+    plt = _pyplot()
+    style = _styles(labels)
+    fig, (ax,) = _figure(plt, 1, len(distance) + 1, max(len(labels[s]) for s in distance))
     for setting, (xs, ys) in distance.items():
-        ax.plot(xs, ys, marker="o", label=setting, **style[setting])
-    ax.axvline(1.0, color="grey", linestyle="--", label="distance = L")
+        ax.plot(xs, ys, **style[setting])
+    ax.axvline(1.0, color="grey", linestyle="--")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03),
-           title="Passkey retrieval vs distance")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "passkey_vs_distance.png", dpi=110)
-    plt.close(fig)
+    ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
+    ax.tick_params(labelsize=FONT)
+    ax.set_title(_title(f"Passkey retrieval vs distance. {title}"), fontsize=FONT + 1)
+    from matplotlib.lines import Line2D
 
-    n = len(depth)
-    cols = min(4, n)
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False, layout="constrained")
-    for ax, (setting, (depths, lengths, grid)) in zip(axes.flat, depth.items()):
+    _save(plt, fig, out / "passkey_vs_distance.png", _handles([style[s] for s in distance])
+          + [Line2D([], [], color="grey", linestyle="--", label="distance = L")])
+
+    fig, axes = _figure(plt, len(depth), columns=min(4, len(depth)))
+    for ax, (setting, (depths, lengths, grid)) in zip(axes, depth.items()):
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7, rotation=90)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(setting, fontsize=8)
-        ax.set(xlabel="length", ylabel="depth")
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
+        ax.set_title(_title(labels[setting], 24), fontsize=FONT)
+        ax.set_xlabel("length", fontsize=FONT)
+        ax.set_ylabel("depth", fontsize=FONT)
     fig.colorbar(image, ax=axes, shrink=0.8, label="exact-match accuracy")
+    fig.suptitle(_title(f"Passkey accuracy by needle depth × length. {title}"), fontsize=FONT + 1)
     fig.savefig(out / "passkey_heatmap.png", dpi=110)
     plt.close(fig)
     return {"passkey_vs_distance": out / "passkey_vs_distance.png", "passkey_heatmap": out / "passkey_heatmap.png"}
 
 
 def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], train_length: int,
-                 order: list[str]) -> Path:
-    """Write ``context_vs_length.png``: per row label (``series``: {label: (lengths, diff, ci_low, ci_high)}), the mean
+                 labels: dict[str, str]) -> Path:
+    """Write ``context_vs_length.png``: per row (``series``: {setting: (lengths, diff, ci_low, ci_high)}), the mean
     NLL_full − NLL_short past L (nats/token) against evaluation length (log2 x), error bars its 95% interval, a
-    horizontal line at 0 (the context beyond L unused); return its path."""
-    import matplotlib  # only here: a run that draws no plot never imports matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
-
-    style = _styles(order)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    horizontal line at 0 (the context beyond L unused); return its path. ``labels``: as :func:`draw`'s."""
+    plt = _pyplot()
+    style = _styles(labels)
+    fig, (ax,) = _figure(plt, 1, len(series), max(len(labels[s]) for s in series))
     for setting, (xs, ys, low, high) in series.items():
-        ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, low)], [b - y for y, b in zip(ys, high)]], marker="o",
-                    capsize=3, label=setting, **style[setting])
+        ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, low)], [b - y for y, b in zip(ys, high)]], capsize=3,
+                    **style[setting])
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="evaluation length T (tokens)", ylabel="NLL whole window − NLL last ≤ L tokens (nats/token)",
-           title=f"Context use past L = {train_length} (negative: uses context beyond L)")
-    return _save(plt, fig, ax, out / "context_vs_length.png")
+    ax.set(xlabel="evaluation length T (tokens)", ylabel="NLL whole window − NLL last ≤ L tokens (nats/token)")
+    ax.tick_params(labelsize=FONT)
+    ax.set_title(f"Context use past L = {train_length} (negative: uses context beyond L)", fontsize=FONT + 1)
+    return _save(plt, fig, out / "context_vs_length.png", _handles([style[s] for s in series]))
 
 
-def _finish(plt, fig, ax, train_length: int, path: Path) -> None:
-    ax.axvline(train_length, color="grey", linestyle="--", label=f"L = {train_length}")
-    _save(plt, fig, ax, path)
-
-
-def _save(plt, fig, ax, path: Path, **legend) -> Path:
-    """Small title, legend (``legend``: its options beyond fontsize 8), tight layout, ``path`` at 110 dpi; the figure closed."""
-    ax.title.set_fontsize(9)
-    ax.legend(**{"fontsize": 8, **legend})
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], order: list[str]) -> Path:
-    """Write ``passkey_vs_tokens.png``: exact-match accuracy against training tokens (log x), per row label one colour
-    (``curves``: {label: {probe length: (tokens, accuracy)}}), a solid line at the shortest probe length (L) and a
-    dashed one at the longest; return its path."""
-    import matplotlib  # only here: a run that draws no plot never imports matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
-
-    style = _styles(order)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], labels: dict[str, str]) -> Path:
+    """Write ``passkey_vs_tokens.png``: exact-match accuracy against training tokens (log x), per row one colour
+    (``curves``: {setting: {probe length: (tokens, accuracy)}}), a solid line at the shortest probe length (L) and a
+    dashed one at the longest; return its path. ``labels``: as :func:`draw`'s."""
+    plt = _pyplot()
+    style = _styles(labels)
+    entries = [(s, n) for s, by_length in curves.items() for n in sorted(by_length)]
+    names = {(s, n): f"{labels[s]} @ {n}" for s, n in entries}
+    fig, (ax,) = _figure(plt, 1, len(entries), max(map(len, names.values())))
+    handles = []
     for setting, by_length in curves.items():
         lengths = sorted(by_length)
         for length in lengths:
             xs, ys = by_length[length]
-            ax.plot(xs, ys, marker=".", color=style[setting]["color"], linestyle="-" if length == lengths[0] else "--",
-                    label=f"{setting} @ {length}")
+            handles += ax.plot(xs, ys, marker=".", color=style[setting]["color"],
+                               linestyle="-" if length == lengths[0] else "--", label=names[setting, length])
     ax.set_xscale("log")
-    ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03),
-           title="Passkey retrieval during training (solid: at L, dashed: longest probe length)")
-    return _save(plt, fig, ax, out / "passkey_vs_tokens.png", fontsize=7, ncol=2)
+    ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
+    ax.tick_params(labelsize=FONT)
+    ax.set_title("Passkey retrieval during training (solid: at L, dashed: longest probe length)", fontsize=FONT + 1)
+    return _save(plt, fig, out / "passkey_vs_tokens.png", handles)

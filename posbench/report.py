@@ -2,16 +2,22 @@
 
 ``posbench report FOLDER...`` (and the end of every multirun) writes into a folder:
 
-* ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); rows =
-  scheme and every other setting that differs between runs, columns = evaluation lengths, cells =
-  exp(mean NLL over seeds) ± std over seeds of the per-seed perplexity, ★ where a cell is the best or not
-  significantly worse (posbench/stats.py), and ppl(longest)/ppl(L); the settings held fixed; skipped runs;
-* ``report.csv`` — the same numbers and tests, long format;
-* ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/plots.py), of one evaluation setting (validation
-  split and the nonoverlapping protocol when present), and ``ppl_vs_finetune.png`` when fine-tuned runs
-  (``init_from``: ``ft512×200`` rows, with a column of train tokens) are among them;
+* ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); a row per
+  scheme and per value of every other setting that differs between runs, labelled short (posbench/compare.py: the
+  run label, and where rows share it the values that tell them apart, or ``#1``, ``#2`` … when those are long),
+  with those settings in a legend table below it;
+  columns = evaluation lengths, cells = exp(mean NLL over seeds) ± std over seeds of the per-seed perplexity, ★
+  where a cell is its column's reference (the best) or not significantly worse than it (posbench/stats.py), and
+  ppl(longest)/ppl(L); under it the reference of each column and the tests, and a numbered footnote for each cell
+  whose verdict its printed number does not tell (no ★ at a number no higher than a ★ of its column, and those ★);
+  the settings held fixed; skipped runs;
+* ``report.csv`` — the same numbers and tests, long format (``setting``: the full row; ``label``: its short label;
+  ``reference``: the row each cell was tested against);
+* ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/plots.py), a panel per evaluation setting, and
+  ``ppl_vs_finetune.png`` when fine-tuned runs (``init_from``: ``ft512×200`` rows, with a column of train tokens)
+  are among them, of the first table (validation split and the nonoverlapping protocol when present);
 * with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/retrieval.py),
-  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png``;
+  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (of the first probe table, P1);
 * with the context-use probe (``eval.probes=[context]``): a "Context use past L" table (posbench/context.py),
   ``context.csv`` and ``context_vs_length.png``.
 
@@ -30,7 +36,8 @@ from posbench.results import split_text
 log = logging.getLogger("posbench")
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
                   "ppl", "ppl_std", "nll_mean", "nll_std", "seeds", "best", "test", "p_value", "ci_low", "ci_high",
-                  "significantly_worse", "method", "train_tokens", "total_train_tokens"]
+                  "significantly_worse", "method", "train_tokens", "total_train_tokens", "label", "reference", "windows"]
+SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 def table_title(r: dict) -> str:
@@ -49,9 +56,62 @@ def _mark(r: dict) -> str:
     return "" if r["significantly_worse"] else " ★"
 
 
+def puzzles(column: list[dict]) -> list[dict]:
+    """The cells of one column (:func:`posbench.stats.rank`-ed) whose verdicts their printed numbers do not tell: each
+    significantly worse cell that prints no higher than the reference or a tested ★ cell (equal numbers, or an order
+    the stars reverse), and those tested ★ cells; in row order."""
+    def shown(c):
+        return round(c["ppl"], 2)
+
+    stars = [c for c in column if c["test"] != "n/a" and not c["significantly_worse"]]  # the reference among them
+    odd = {id(x) for w in column if w["significantly_worse"] for s in stars if shown(s) >= shown(w)
+           for x in (w, s) if not x["best"]}
+    return [c for c in column if id(c) in odd]
+
+
+def _footnote(mark: str, number: str | None) -> str:
+    return "" if number is None else number if mark else f" {number}"
+
+
+def _footnotes(sub: list[dict]) -> tuple[dict[tuple[str, int], str], list[str]]:
+    """{(setting, length): superscript number} of one table's :func:`puzzles`, and their footnotes: each cell's
+    verdict against its column's reference, with the test and its statistic (posbench/stats.py ``reason``)."""
+    odd = {id(c) for n in sorted({r["length"] for r in sub}) for c in puzzles([r for r in sub if r["length"] == n])}
+    marks, lines = {}, []
+    for c in (r for r in sub if id(r) in odd):
+        ref = next(r for r in sub if r["length"] == c["length"] and r["best"])
+        marks[c["setting"], c["length"]] = str(len(marks) + 1).translate(SUPERSCRIPT)
+        verdict = "no ★: significantly worse" if c["significantly_worse"] else "★: not significantly worse"
+        lines.append(f"- {marks[c['setting'], c['length']]} {c['label']} at {c['length']} ({c['ppl']:.2f}), {verdict} "
+                     f"than the reference {ref['label']} ({ref['ppl']:.2f}); {stats.reason(c)}.")
+    return marks, lines
+
+
+def legend(sub: list[dict]) -> list[str]:
+    """What the short row labels of one table stand for: a table of the settings that differ between its rows (a
+    column per key, "–" where a row's scheme has no such option) and a line of those its rows share; [] when no
+    setting tells the reported runs apart."""
+    rows = {r["label"]: r["differs"] for r in sub}
+    keys = list(dict.fromkeys(k for differs in rows.values() for k in differs))
+    if not keys:
+        return []
+    varying = [k for k in keys if len({d.get(k) for d in rows.values()}) > 1]
+    shared = [f"`{k}` = {v}" for k, v in next(iter(rows.values())).items() if k not in varying]
+    lines = [""]
+    if varying:
+        lines += ["| row | " + " | ".join(f"`{k}`" for k in varying) + " |", "|---" * (len(varying) + 1) + "|",
+                  *(f"| {label} | " + " | ".join(d.get(k, "–") for k in varying) + " |" for label, d in rows.items())]
+    if shared:
+        lines += [*([""] if varying else []), ("Every row here has " if len(rows) > 1 else f"{next(iter(rows))}: ")
+                  + ", ".join(shared) + " (settings that differ between the reported runs)."]
+    return lines
+
+
 def tables(rows: list[dict], train_length: int) -> str:
-    """Markdown tables, one per evaluation setting (its title states them): settings × lengths, cells
-    exp(mean NLL) ± std of per-seed perplexity with ★/† marks, ppl(longest)/ppl(L) per row, seeds; a note on the tests."""
+    """Markdown tables, one per evaluation setting (its title states them): short row labels × lengths, cells
+    exp(mean NLL) ± std of per-seed perplexity with ★/† marks and footnote numbers (:func:`puzzles`),
+    ppl(longest)/ppl(L) per row, seeds; then the rows' :func:`legend`, a note naming each column's reference and the
+    tests, and the footnotes."""
     out = []
     for table in sorted({r["table"] for r in rows}):
         sub = [r for r in rows if r["table"] == table]
@@ -64,14 +124,17 @@ def tables(rows: list[dict], train_length: int) -> str:
                  "|---" * (len(lengths) + 2 + ratio + tokens) + "|"]
         settings_ = list(dict.fromkeys(r["setting"] for r in sub))
         compared = len(settings_) > 1  # one row: nothing to compare, no marks
+        marks, footnotes = _footnotes(sub) if compared else ({}, [])
         for setting in settings_:
             mine = {r["length"]: r for r in sub if r["setting"] == setting}
             cells = [f"{mine[n]['ppl']:.2f}" + (f" ± {mine[n]['ppl_std']:.2f}" if mine[n]["seeds"] > 1 else "")
-                     + (_mark(mine[n]) if compared else "") for n in lengths]
+                     + (_mark(mine[n]) + _footnote(_mark(mine[n]), marks.get((setting, n))) if compared else "")
+                     for n in lengths]
             cells += [f"{mine[lengths[-1]]['ppl'] / mine[base]['ppl']:.2f}"] if ratio else []
             cells += [_tokens(mine[lengths[0]])] if tokens else []
-            lines.append(f"| {setting} | " + " | ".join(cells) + f" | {mine[lengths[0]]['seeds']} |")
-        out.append("\n".join([*lines, *(["", stats.note(sub)] if compared else [])]))
+            lines.append(f"| {mine[lengths[0]]['label']} | " + " | ".join(cells) + f" | {mine[lengths[0]]['seeds']} |")
+        out.append("\n".join([*lines, *legend(sub), *(["", stats.note(sub), *([""] + footnotes if footnotes else [])]
+                                                      if compared else [])]))
     return "\n\n".join(out)
 
 
@@ -83,23 +146,21 @@ def _tokens(r: dict) -> str:
 
 
 PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
-                   "ranked", "best", "p_value", "star"]
+                   "ranked", "best", "p_value", "star", "label"]
 
 
-def passkey_tables(cells: list[dict]) -> str:
+def passkey_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
     """The passkey probe's tables (posbench/retrieval.py), one per probe: rows × probe lengths, cells exact-match
     accuracy with its Wilson 95% interval and ★ (the column's best ranked row, or not significantly worse by the
     paired test) or † (untested), the accuracy within L and the mean gain at the longest length; a row below the
-    threshold within L is marked and not ranked past L."""
+    threshold within L is marked and not ranked past L. ``names``: {setting: a perplexity row (``label``,
+    ``differs``)}: rows by short label, with their :func:`legend` (None: by setting)."""
     out = []
+    names = names or {}
     for table in sorted({c["table"] for c in cells}):
         sub = [c for c in cells if c["table"] == table]
         probe, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
-        keys = probe.get("keys", "frequent")
-        share = f" ({probe['key_fraction']:.2%} of the split's tokens are key tokens)" if "key_fraction" in probe else ""
-        lines = [f"### P{table}. {probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from "
-                 f"{probe['key_vocab']} {retrieval.KEY_KINDS.get(keys, keys)}{share}, marker {probe['marker']!r}, "
-                 f"probe seed {probe['seed']}", "",
+        lines = [f"### P{table}. {_probe_title(probe)}", "",
                  "| | " + " | ".join(map(str, lengths)) + f" | within L | gain at {lengths[-1]} |",
                  "|---" * (len(lengths) + 3) + "|"]
         for setting in dict.fromkeys(c["setting"] for c in sub):
@@ -108,8 +169,8 @@ def passkey_tables(cells: list[dict]) -> str:
             row = [f"{mine[n]['accuracy']:.0%} ({mine[n]['ci_low']:.0%}–{mine[n]['ci_high']:.0%})" + _probe_mark(mine[n])
                    if n in mine else "" for n in lengths]
             within = "–" if first["within_L"] is None else f"{first['within_L']:.0%}"
-            label = setting + ("" if first["valid"] else " (does not retrieve within L)" if first["within_L"] is not None
-                               else " (no probe length ≤ L: not ranked past L)")
+            label = _name(names, setting) + ("" if first["valid"] else " (does not retrieve within L)"
+                                             if first["within_L"] is not None else " (no probe length ≤ L: not ranked past L)")
             gain = f"{mine[lengths[-1]]['gain']:+.2f}" if lengths[-1] in mine else ""
             lines.append(f"| {label} | " + " | ".join(row) + f" | {within} | {gain} |")
         n = max(c["n"] for c in sub)
@@ -122,21 +183,41 @@ def passkey_tables(cells: list[dict]) -> str:
                   f"accuracy in the windows no longer than L; below {probe['threshold']:.0%} the row does not retrieve "
                   "within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the same "
                   "key's when the needle held another key (0: the context is not used)."]
-        out.append("\n".join(lines))
+        out.append("\n".join(lines + _legend_of(names, sub)))
     return "\n\n".join(out)
 
 
-CONTEXT_COLUMNS = ["table", "setting", "length", "windows", "seeds", "diff", "ci_low", "ci_high", "nll_full", "nll_short"]
+def _probe_title(probe: dict) -> str:
+    """A passkey probe's settings in words: split, key, marker and seed."""
+    keys = probe.get("keys", "frequent")
+    share = f" ({probe['key_fraction']:.2%} of the split's tokens are key tokens)" if "key_fraction" in probe else ""
+    return (f"{probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from {probe['key_vocab']} "
+            f"{retrieval.KEY_KINDS.get(keys, keys)}{share}, marker {probe['marker']!r}, probe seed {probe['seed']}")
+
+
+def _name(names: dict[str, dict], setting: str) -> str:
+    return names[setting]["label"] if setting in names else setting
+
+
+def _legend_of(names: dict[str, dict], cells: list[dict]) -> list[str]:
+    """The :func:`legend` of a probe table's rows (``cells`` with ``setting``), [] without ``names``."""
+    return legend([names[s] for s in dict.fromkeys(c["setting"] for c in cells) if s in names])
+
+
+CONTEXT_COLUMNS = ["table", "setting", "length", "windows", "seeds", "diff", "ci_low", "ci_high", "nll_full", "nll_short",
+                   "label"]
 
 
 def _nats(x: float) -> str:
     return f"{x:+.3f}".replace("-", "−")
 
 
-def context_tables(cells: list[dict]) -> str:
+def context_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
     """The context-use probe's tables (posbench/context.py ``cells``), one per probe (split, L, stride): rows ×
-    evaluation lengths, cells the mean NLL difference past L with its bootstrap 95% interval, nats/token."""
+    evaluation lengths, cells the mean NLL difference past L with its bootstrap 95% interval, nats/token.
+    ``names``: as :func:`passkey_tables`'s."""
     out = []
+    names = names or {}
     for table in sorted({c["table"] for c in cells}):
         sub = [c for c in cells if c["table"] == table]
         s, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
@@ -147,7 +228,7 @@ def context_tables(cells: list[dict]) -> str:
             mine = {c["length"]: c for c in sub if c["setting"] == setting}
             row = [f"{_nats(mine[n]['diff'])} ({_nats(mine[n]['ci_low'])} … {_nats(mine[n]['ci_high'])})" if n in mine
                    else "" for n in lengths]
-            lines.append(f"| {setting} | " + " | ".join(row) + f" | {max(c['seeds'] for c in mine.values())} |")
+            lines.append(f"| {_name(names, setting)} | " + " | ".join(row) + f" | {max(c['seeds'] for c in mine.values())} |")
         windows = ", ".join(f"{n}: {max(c['windows'] for c in sub if c['length'] == n)}" for n in lengths)
         lines += ["", f"Mean over windows of NLL_full − NLL_short (nats/token) for the tokens at positions ≥ L of each "
                   f"window: NLL_full with the token's whole left context in the window, NLL_short by a sliding window of "
@@ -155,7 +236,7 @@ def context_tables(cells: list[dict]) -> str:
                   "uses context beyond L; 0: it ignores it; positive: the longer context hurts. In brackets the "
                   f"percentile bootstrap 95% interval over windows ({s['bootstrap']} resamples, seed {s['seed']}); "
                   f"seeds pooled per window (the mean over a row's seeds). Windows per length: {windows}."]
-        out.append("\n".join(lines))
+        out.append("\n".join(lines + _legend_of(names, sub)))
     return "\n\n".join(out)
 
 
@@ -177,8 +258,33 @@ def _write_csv(path: Path, columns: list[str], rows) -> None:
         w.writerows(rows)
 
 
+def _draw(out: Path, records: list[dict], rows: list[dict], train_length: int, context_cells: list[dict]) -> dict[str, Path]:
+    """Every plot of the report into ``out`` (posbench/plots.py); return {name: path}."""
+    labels = compare.labels(records)
+    numbers = sorted({r["table"] for r in rows})
+    panels = [(f"{n}. {table_title(next(r for r in rows if r['table'] == n))}", [r for r in rows if r["table"] == n],
+               compare.position_curves(records, rows, n)) for n in numbers]
+    images = plots.draw(out, train_length, panels, labels)
+    probes = retrieval.groups(records)
+    if probes:
+        first = next(iter(probes.values()))
+        title = "P1. " + _probe_title(next(iter(first.values()))["settings"])
+        images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records), labels, title))
+    curves = retrieval.probe_curves(records)
+    if curves:
+        images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, labels)
+    if context_cells:
+        images["context_vs_length"] = plots.draw_context(out, context.series(context_cells),
+                                                         context_cells[0]["settings"]["train_length"], labels)
+    series = compare.finetune_series(rows)
+    if series:
+        images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(rows[0]["lengths"]), panels[0][0])
+    return images
+
+
 def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[str, Path]]:
-    """Collect, fold, write report.md / report.csv / both PNGs into ``out``; return (tables, rows, images).
+    """Collect, fold, write report.md / report.csv / passkey.csv / context.csv and the PNGs into ``out``; return
+    (tables, rows, images).
 
     Raises posbench.compare.ReportError when there is nothing to report."""
     records, skipped = compare.collect(folders)
@@ -188,27 +294,14 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     train_length = compare.origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
     _, fixed, varying, per_scheme = compare.settings(records)
     out.mkdir(parents=True, exist_ok=True)
+    names = {r["setting"]: r for r in rows}
     _write_csv(out / "report.csv", REPORT_COLUMNS, ({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows))
-    first = [r for r in rows if r["table"] == 1]  # the plotted table: validation split, nonoverlapping when present
-    images = plots.draw(out, train_length, table_title(first[0]), first, compare.position_curves(records, rows),
-                        compare.setting_order(records))
-    probe_cells = retrieval.cells(records)
+    probe_cells, context_cells = retrieval.cells(records), context.cells(records)
     if probe_cells:
-        _write_csv(out / "passkey.csv", PASSKEY_COLUMNS, probe_cells)
-        images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records),
-                                         compare.setting_order(records)))
-    curves = retrieval.probe_curves(records)
-    if curves:
-        images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, compare.setting_order(records))
-    context_cells = context.cells(records)
+        _write_csv(out / "passkey.csv", PASSKEY_COLUMNS, ({**c, "label": names[c["setting"]]["label"]} for c in probe_cells))
     if context_cells:
-        _write_csv(out / "context.csv", CONTEXT_COLUMNS, context_cells)
-        images["context_vs_length"] = plots.draw_context(out, context.series(context_cells),
-                                                         context_cells[0]["settings"]["train_length"],
-                                                         compare.setting_order(records))
-    series = compare.finetune_series(rows)
-    if series:
-        images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(first[0]["lengths"]), table_title(first[0]))
+        _write_csv(out / "context.csv", CONTEXT_COLUMNS, ({**c, "label": names[c["setting"]]["label"]} for c in context_cells))
+    images = _draw(out, records, rows, train_length, context_cells)
     seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
     table_text = tables(rows, train_length)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
@@ -218,18 +311,24 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
                 ("Skipped", skipped)]
     text = (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
             + ("Fine-tuned runs (started from a parent's weights, `init_from`) are labelled `ft<length>×<steps>`; L is "
-               "that of the first run of their line (the parent's), and their budget is in the tokens column.\n\n" if series else "")
+               "that of the first run of their line (the parent's), and their budget is in the tokens column.\n\n"
+               if "ppl_vs_finetune" in images else "")
             + f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
-            "and per value of every other setting that differs between runs. Each cell is the perplexity exp(mean NLL "
-            "over seeds), NLL in nats/token, ± the standard deviation over seeds of the per-seed perplexity; ★ marks "
-            "the best cell of a column and those not significantly worse (the test is named under each table).\n\n"
-            f"{table_text}\n\n![ppl vs length](ppl_vs_length.png)\n![loss vs position](loss_vs_position.png)\n"
-            + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if series else "")
-            + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_tables(probe_cells)}\n\n"
-               "![passkey accuracy vs distance](passkey_vs_distance.png)\n![passkey depth x length](passkey_heatmap.png)\n"
-               if probe_cells else "")
-            + ("\n![passkey accuracy vs training tokens](passkey_vs_tokens.png)\n" if curves else "")
-            + (f"\n## Context use past L (eval.probes=[context])\n\n{context_tables(context_cells)}\n\n"
+            "and per value of every other setting that differs between runs, labelled by its run label and, where rows "
+            "share one, the values that tell them apart (or `#1`, `#2` … when those are long); the settings that differ "
+            "between runs are in a table below each table. Each cell is the "
+            "perplexity exp(mean NLL over seeds), NLL in nats/token, ± the standard deviation over seeds of the "
+            "per-seed perplexity; ★ marks, in each column, the reference (the lowest mean NLL) and the cells not "
+            "significantly worse than it (the references and tests are named under each table; a numbered cell's "
+            "test is written out below it).\n\n"
+            f"{table_text}\n\n![ppl vs length, a panel per table](ppl_vs_length.png)\n"
+            "![loss vs position, a panel per table](loss_vs_position.png)\n"
+            + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if "ppl_vs_finetune" in images else "")
+            + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_tables(probe_cells, names)}\n\n"
+               "![passkey accuracy vs distance (table P1)](passkey_vs_distance.png)\n"
+               "![passkey depth x length (table P1)](passkey_heatmap.png)\n" if probe_cells else "")
+            + ("\n![passkey accuracy vs training tokens](passkey_vs_tokens.png)\n" if "passkey_vs_tokens" in images else "")
+            + (f"\n## Context use past L (eval.probes=[context])\n\n{context_tables(context_cells, names)}\n\n"
                "![context use vs length](context_vs_length.png)\n" if context_cells else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
                       if lines or head == "Settings held fixed"))

@@ -10,7 +10,12 @@ Two tests, chosen by what the rows carry:
   difference of NLL per token, (Σ nll_A − Σ nll_B) / Σ tokens over the resampled windows. A is
   significantly worse than B when the 95% percentile interval of that difference lies entirely above 0.
   Each row's per-window NLL is the mean over its seeds. Pairing is exact only when both rows scored
-  identical windows (identical ``window_tokens``); otherwise no test is made.
+  identical windows (identical ``window_tokens``), and a test needs at least :data:`MIN_WINDOWS` of them
+  (with fewer, no test over windows can reach the level: the exact sign test's smallest two-sided p is
+  2 · 0.5^n, and the percentile interval of 2 windows excludes 0 whenever both differences have one sign);
+  otherwise no test is made.
+
+Each column is tested against its own reference: the row with the lowest mean NLL at that length.
 
 All NLLs are in nats: per token for a seed's ``nll``, summed over a window's targets for ``window_nll``.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 
 import numpy as np
 
@@ -26,6 +32,7 @@ ALPHA = 0.05  # two-sided significance level of the Welch test
 LEVEL = 0.95  # bootstrap confidence level
 RESAMPLES = 10_000
 SEED = 0  # a fixed generator seed: the same runs always give the same report
+MIN_WINDOWS = math.ceil(math.log2(2 / ALPHA))  # the fewest windows whose sign test can reach p < ALPHA: 2 · 0.5^n
 
 
 def welch_p(a: list[float], b: list[float]) -> float:
@@ -33,7 +40,9 @@ def welch_p(a: list[float], b: list[float]) -> float:
     have the same mean; NaN when it is undefined (both samples without spread)."""
     from scipy.stats import ttest_ind  # here, not at the top: only a report with seeds needs it (0.5 s of start-up)
 
-    return float(ttest_ind(a, b, equal_var=False).pvalue)
+    with warnings.catch_warnings():  # seeds that agree to round-off (0-step fine-tunes): scipy warns; p is still Welch's
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(ttest_ind(a, b, equal_var=False).pvalue)
 
 
 def paired_bootstrap(nll_a: list[float], nll_b: list[float], tokens: list[int], resamples: int = RESAMPLES,
@@ -79,15 +88,18 @@ def compare(row: dict, best: dict) -> dict:
     """Whether ``row`` is significantly worse than ``best`` (rows with ``nlls``: per-seed NLL in nats/token,
     and ``window_runs``: per seed (window_nll, window_tokens) or None). Returns ``test`` (welch | bootstrap |
     n/a), ``p_value`` (Welch), ``ci_low``/``ci_high`` (bootstrap, nats/token, row minus best),
-    ``significantly_worse`` (bool; False when no test could be made) and ``windows`` (bootstrap: how many)."""
+    ``significantly_worse`` (bool; False when no test could be made) and ``windows`` (bootstrap: how many; n/a:
+    how many both rows scored, None when they scored different windows or lack them)."""
     out = {"test": "n/a", "p_value": None, "ci_low": None, "ci_high": None, "significantly_worse": False, "windows": None}
     if len(row["nlls"]) >= 2 and len(best["nlls"]) >= 2:
         p = welch_p(row["nlls"], best["nlls"])
         worse = not math.isnan(p) and p < ALPHA and statistics.fmean(row["nlls"]) > statistics.fmean(best["nlls"])
         return {**out, "test": "welch", "p_value": p, "significantly_worse": worse}
     a, b = window_sums(row["window_runs"]), window_sums(best["window_runs"])
-    if a is None or b is None or a[1] != b[1] or len(a[1]) < 2:
+    if a is None or b is None or a[1] != b[1]:
         return out
+    if len(a[1]) < MIN_WINDOWS:
+        return {**out, "windows": len(a[1])}
     low, high = paired_bootstrap(a[0], b[0], a[1])
     return {**out, "test": "bootstrap", "ci_low": low, "ci_high": high, "significantly_worse": low > 0,
             "windows": len(a[1])}
@@ -114,18 +126,42 @@ def rank(column: list[dict]) -> None:
 
 
 def note(cells: list[dict]) -> str:
-    """The note under a table: what ★ (and †) mean, and each test its cells (:func:`rank`) used, with its
-    threshold and source."""
-    tests = {c["test"] for c in cells}
-    notes = ["★: the lowest mean NLL at that length, or not significantly worse than it"]
+    """The note under a table (``cells``: one table's :func:`rank`-ed cells, each with its row ``label`` and its
+    ``reference_label``): the reference of each length, each test its cells used with its level and source, and
+    what † means."""
+    tests, references = {c["test"] for c in cells}, {}
+    for length, label in sorted({(c["length"], c["reference_label"]) for c in cells}):
+        references.setdefault(label, []).append(str(length))
+    where = ("; ".join(f"{label} at {', '.join(lengths)}" for label, lengths in references.items())
+             if len(references) > 1 else f"{next(iter(references))} at every length")
+    notes = [f"★: in each column its reference, the row with the lowest mean NLL at that length ({where}), and every "
+             f"row not significantly worse than it at the two-sided level {ALPHA} by the test named here"]
     if "welch" in tests:
-        notes.append(f"Welch's t-test over the per-seed NLLs (Welch 1947), two-sided "
-                     f"p < {ALPHA} counts as significantly worse")
+        notes.append("where both rows have two or more seeds: Welch's t-test over the per-seed NLLs (Welch 1947), "
+                     f"significantly worse when p < {ALPHA} and the mean NLL is higher")
     if "bootstrap" in tests:
         counts = sorted({(c["length"], c["windows"]) for c in cells if c["test"] == "bootstrap"})
         notes.append("where a row has one seed: paired bootstrap over evaluation windows (Efron & Tibshirani 1993; "
                      + ", ".join(f"{w} windows at {length}" for length, w in counts) + f"), {RESAMPLES:,} resamples, "
-                     f"significantly worse when the {LEVEL:.0%} CI of the NLL difference (nats/token) lies entirely above 0")
+                     f"significantly worse when the {LEVEL:.0%} CI of the NLL difference (nats/token) lies entirely above "
+                     "0; it tests evaluation noise only, and a small difference the same in every window can be "
+                     "significant where a larger one that varies between windows is not")
     if "n/a" in tests:
-        notes.append("†: no test (a row with one seed, and no per-window NLL over the same windows as the best row)")
+        notes.append(f"†: no test (a row with one seed, and no per-window NLL over the same windows as the reference, "
+                     f"or fewer than {MIN_WINDOWS} windows: too few for any test over windows at that level)")
     return "; ".join(notes) + "."
+
+
+def reason(c: dict) -> str:
+    """One :func:`rank`-ed cell's test against its reference in words: ``Welch's t-test over <n> seeds: p = <p>``,
+    ``paired bootstrap over <n> windows: NLL difference 95% CI [<low>, <high>] nats/token``, ``no test`` (with the
+    windows when too few), or ``the reference``."""
+    if c["test"] == "best":
+        return "the reference"
+    if c["test"] == "welch":
+        p = "undefined (no spread over seeds)" if math.isnan(c["p_value"]) else f"{c['p_value']:.2g}"
+        return f"Welch's t-test over {c['seeds']} seeds: p = {p}"
+    if c["test"] == "bootstrap":
+        return (f"paired bootstrap over {c['windows']} windows: NLL difference {LEVEL:.0%} CI "
+                f"[{c['ci_low']:+.2g}, {c['ci_high']:+.2g}] nats/token")
+    return "no test" + (f" ({c['windows']} windows, fewer than {MIN_WINDOWS})" if c.get("windows") else "")

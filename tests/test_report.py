@@ -50,9 +50,28 @@ def is_png(path: Path) -> bool:
 
 
 def table_rows(text: str) -> list[str]:
-    """The row labels of the markdown tables in ``text`` (header and rule lines left out)."""
-    return [line.split("|")[1].strip() for line in text.splitlines()
-            if line.startswith("| ") and not line.startswith("| |")]
+    """The row labels of the perplexity (and probe) tables in ``text``: the lines under a ``| |`` header up to the
+    first line that is not a table row (the rows' legend tables below them left out)."""
+    rows, inside = [], False
+    for line in text.splitlines():
+        inside = line.startswith("| |") or (inside and line.startswith("|"))
+        if inside and line.startswith("| ") and not line.startswith("| |"):
+            rows.append(line.split("|")[1].strip())
+    return rows
+
+
+def legend_rows(text: str) -> dict[str, dict[str, str]]:
+    """{row label: {setting key: value}} of the legend tables in ``text`` (``| row | `key` | … |``)."""
+    out, keys = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| row |"):
+            keys = [c.strip("`") for c in cells[1:]]
+        elif keys and line.startswith("| "):
+            out[cells[0]] = dict(zip(keys, cells[1:]))
+        elif not line.startswith("|"):
+            keys = None
+    return out
 
 
 # ---- fake runs, written with the code a real run uses ----------------------------------------------
@@ -121,10 +140,11 @@ def md_tables(md: str) -> list[tuple[str, list[str], dict[str, list[str]]]]:
         lines = block.splitlines()
         header = next(line for line in lines if line.startswith("| |"))
         rows = {}
-        for line in lines:
-            if line.startswith("| ") and not line.startswith("| |"):
-                cells = [c.strip() for c in line.strip().strip("|").split("|")]
-                rows[cells[0]] = cells[1:]
+        for line in lines[lines.index(header) + 2:]:
+            if not line.startswith("| "):
+                break
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
         out.append((lines[0], [c.strip() for c in header.strip().strip("|").split("|")][1:], rows))
     return out
 
@@ -287,7 +307,8 @@ def test_any_broken_results_file_is_skipped_not_a_crash(sweep, content):
 
 
 def test_a_setting_that_differs_between_schemes_labels_every_row(tmp_path):
-    """A rope sweep at n_layer=2 and an alibi sweep at n_layer=3, reported together: n_layer is in the labels."""
+    """A rope sweep at n_layer=2 and an alibi sweep at n_layer=3, reported together: n_layer is in every row's
+    setting (report.csv) and in the legend table under the table, where the short labels stand for them."""
     root = tmp_path / "runs"
     for seed in range(2):
         write_run(root / f"rope{seed}", config("rope", seed, n_layer=2))
@@ -295,7 +316,9 @@ def test_a_setting_that_differs_between_schemes_labels_every_row(tmp_path):
         alibi["train"]["device"] = "cpu"  # bookkeeping: named, but it labels no row
         write_run(root / f"alibi{seed}", alibi)
     table_text, _, _ = report.write_report([root], root)
-    assert table_rows(table_text) == ["alibi, model.n_layer=3", "rope, model.n_layer=2"], table_text
+    assert table_rows(table_text) == ["alibi", "rope"], table_text
+    assert legend_rows(table_text) == {"alibi": {"model.n_layer": "3"}, "rope": {"model.n_layer": "2"}}, table_text
+    assert list(dict.fromkeys(r["setting"] for r in report_csv(root))) == ["alibi, model.n_layer=3", "rope, model.n_layer=2"]
     parts = sections((root / "report.md").read_text())
     assert "model.n_layer" not in parts["Settings held fixed"] and "`model.d_model` = 32" in parts["Settings held fixed"]
     differ = next(text for head, text in parts.items() if head.startswith("Settings that differ"))
@@ -416,8 +439,10 @@ def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
     write_run(root / "alibi", config("alibi", 0))  # format 2 without the key: the schema's default
     table_text, _, _ = report.write_report([root], root)
     label = "{}, model.scale_embeddings={}".format
-    assert table_rows(table_text) == [label("alibi", json.dumps(schema.ModelConfig().scale_embeddings)),
-                                      *(label("rope", json.dumps(v)) for v in sorted([was, not was]))], table_text
+    default = json.dumps(schema.ModelConfig().scale_embeddings)
+    assert table_rows(table_text) == ["alibi", *(label("rope", json.dumps(v)) for v in sorted([was, not was]))], table_text
+    assert legend_rows(table_text)["alibi"] == {"model.scale_embeddings": default}, table_text
+    assert report_csv(root)[0]["setting"] == label("alibi", default)
 
 
 def test_cell_is_exp_mean_nll_and_ratio_is_each_rows_own(tmp_path):
