@@ -1,12 +1,14 @@
 """Every job of a ``posbench train`` or ``posbench eval`` command line, composed and prepared before Hydra starts.
 
-:func:`prepare_all` expands the command line's sweep (the experiment's declared sweep included), composes each
-job's config with Hydra's compose API and prepares it (posbench/train_job.py, posbench/eval_job.py: values checked
-and resolved once, data prepared into its cache, a single run's resume state found, an evaluation's model loaded),
-checks that the folders the jobs will write can be written, and takes a single training run's folder lock
-(posbench/runlock.py). The first bad job stops everything with :class:`Refused`, one line, before any folder is
-made or touched; the CLI (posbench/cli.py) prints it and exits 2. Hydra's tasks then find their prepared job with
-:func:`job_for`.
+:func:`prepare_all` puts what a run started from a parent (``init_from`` on the command line) takes from it into
+Hydra's composition (:func:`inherit`), expands the command line's sweep (the experiment's declared sweep
+included), composes each job's config with Hydra's compose API and prepares it (posbench/train_job.py,
+posbench/eval_job.py: values checked and resolved once, data prepared into its cache, a single run's resume state
+found, an evaluation's model loaded), checks that the folders the jobs will write can be written, and takes a
+single training run's folder lock (posbench/runlock.py). The first bad job stops everything with :class:`Refused`,
+one line, before any folder is made or touched; the CLI (posbench/cli.py) prints it and exits 2. What preparing a
+job logs (a warning about a value, the options a fine-tune changes) is held, and logged when the job starts. Hydra's
+tasks then find their prepared job with :func:`job_for`.
 
     prepare_all(["scheme=alibi", "train.seq_len=64"], "train")   # raises Refused
     job = job_for(cfg, train_job.prepare)                          # in Hydra's task: cfg is Hydra's composed config
@@ -15,22 +17,28 @@ made or touched; the CLI (posbench/cli.py) prints it and exits 2. Hydra's tasks 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from posbench import dist, eval_job, runlock, train_job
-from posbench.config import ConfigError, eval_schema, scheme_of
+from posbench import dist, eval_job, lineage, runlock, train_job
+from posbench.config import ConfigError, eval_schema, scheme_of, scheme_schema
 from posbench.data import DataError
 from posbench.schemes import SCHEMES
 
 CONFIG_MODULE = "posbench.conf"
 PREPARED: dict[str, object] = {}  # the composed job config (YAML) → its prepared job, made by prepare_all
+HELD: dict[str, list[logging.LogRecord]] = {}  # the same key → what preparing it logged, logged when it starts
+PARENT_GROUP, PARENT_SCHEME = "parent", "parent"  # the ConfigStore options inherit() stores (conf/train.yaml)
 
 
 class Refused(Exception):
@@ -86,6 +94,42 @@ def check_eval_overrides(overrides: list[str]) -> None:
                           "(scheme.<option>=…)")
 
 
+def inherit(overrides: list[str]) -> None:
+    """Make Hydra compose, for a run started from a parent (``init_from=<run>`` on the command line, or each value
+    of a sweep over it), the parent's scheme with the parent's options, and its L (``train.seq_len``), unless the
+    command line or a preset gives them (posbench/lineage.py :func:`~posbench.lineage.inherited`). It stores two
+    options in Hydra's ConfigStore, replacing those of an earlier call: ``scheme/parent``, the parent's scheme
+    options on its scheme's schema, and ``parent/init`` (package ``_global_``), which overrides the scheme group's
+    default with it and sets ``train.seq_len``. conf/train.yaml takes ``parent/init``, when stored, after the model
+    and data and before debug=fast's lengths and the presets, so a command line's ``scheme=…`` or
+    ``train.seq_len=…``, a preset's and debug=fast's come after it; a sweep's joblib and SLURM workers get the
+    ConfigStore with Hydra's state.
+
+    Raises ConfigError: a parent that cannot be read (``posbench.lineage.read``), or a sweep over parents that
+    differ in what their runs take from them."""
+    store = ConfigStore.instance()
+    store.repo.pop(PARENT_GROUP, None)
+    store.repo.get("scheme", {}).pop(f"{PARENT_SCHEME}.yaml", None)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # (Hydra's OverrideParseException: composition names it)
+        return
+    paths = [str(v) for o in parsed if o.key_or_group == "init_from" and not o.is_delete()
+             for v in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()])
+             if v is not None and "${" not in str(v)]
+    taken = {path: lineage.inherited(lineage.read(path)) for path in dict.fromkeys(paths)}
+    if len({json.dumps(t, sort_keys=True, default=str) for t in taken.values()}) > 1:
+        described = "; ".join(f"{path}: {' '.join(f'scheme.{k}={v}' for k, v in t['scheme'].items())} "
+                              f"train.seq_len={t['seq_len']}" for path, t in taken.items())
+        raise ConfigError(f"init_from={','.join(taken)}: a run takes its parent's scheme, scheme options and L, and "
+                          f"these parents differ ({described}); sweep over parents that share them, or run one command "
+                          "per parent")
+    for t in list(taken.values())[:1]:
+        store.store(group="scheme", name=PARENT_SCHEME, node=scheme_schema(t["scheme"]["name"])(**t["scheme"]))
+        store.store(group=PARENT_GROUP, name="init", package="_global_", node={
+            "defaults": [{"override /scheme": PARENT_SCHEME}], "train": {"seq_len": t["seq_len"]}})
+
+
 def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:
     """The override lists of every job the command line asks for (sweeps expanded, the config's own too)."""
     parser = OverridesParser.create()
@@ -109,8 +153,35 @@ def key_of(cfg: DictConfig) -> str:
 def job_for(cfg: DictConfig, prepare):
     """The job :func:`prepare_all` prepared for Hydra's composed ``cfg`` in this process, or, in a sweep's worker
     process, ``prepare(cfg)``. (Hydra's tasks reach :data:`PREPARED` only through here: a joblib worker receives a
-    task function pickled by value, with the globals it names, and must not receive the prepared jobs.)"""
-    return PREPARED.get(key_of(cfg)) or prepare(cfg)
+    task function pickled by value, with the globals it names, and must not receive the prepared jobs.) What
+    preparing the job logged is logged now (rank 0), where the job's log goes."""
+    key = key_of(cfg)
+    job = PREPARED.get(key)
+    if job is None:
+        return prepare(cfg)
+    for record in HELD.pop(key, []) if dist.rank() == 0 else []:
+        logging.getLogger(record.name).handle(record)
+    return job
+
+
+@contextmanager
+def held_logs():
+    """Hold what posbench logs (INFO and up) inside the block, in the list it yields, instead of logging it."""
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    logger, held, handler = logging.getLogger("posbench"), [], Hold()
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield held
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def prepare(config_name: str, cfg: DictConfig, multirun: bool):
@@ -152,26 +223,37 @@ def prepare_all(argv: list[str], config_name: str) -> None:
     """Compose and prepare every job of ``argv`` (values checked and resolved, data prepared into its cache and
     the splits' sizes checked, a single run's resume state found or refused, an evaluation's model loaded), check
     that their folders can be written, take a single training run's folder lock (posbench/runlock.py), keep each
-    job in :data:`PREPARED` for Hydra's job, and set ``POSBENCH_SWEPT``. Raises Refused on the first bad one."""
+    job in :data:`PREPARED` for Hydra's job (and what preparing it logged in :data:`HELD`), and set
+    ``POSBENCH_SWEPT``; first, for ``posbench train``, put what a run takes from its parent into the composition
+    (:func:`inherit`). Raises Refused on the first bad one."""
     flags = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
     if len(set(flags) & MODES) > 1:
         raise Refused(f"{' and '.join(sorted(set(flags) & MODES))} cannot be combined (Hydra runs one mode at a time); to see "
              f"one job's config, drop -m: posbench {config_name} <overrides> --cfg job")
-    if any(f not in ("-m", "--multirun") for f in flags):
-        return  # --cfg, --help, --info ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
+    if any(f not in ("-m", "--multirun") for f in flags):  # --cfg, --help, --info ...: Hydra's own business
+        try:
+            if config_name == "train":  # (--cfg job shows what the run takes from its parent; "job": a flag's value)
+                inherit([o for o in overrides if "=" in o or o.startswith("~")])
+        except ConfigError as e:
+            raise Refused(str(e)) from None
+        return
     if config_name == "eval":
         check_eval_overrides(overrides)
     PREPARED.clear()
+    HELD.clear()
     message, jobs, folder = "", [], None
     try:
+        if config_name == "train":
+            inherit(overrides)
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             jobs = expand(overrides, bool(flags), config_name)
             for job in jobs:
-                key, prepared, folder = prepare(config_name, compose(config_name, overrides=job,
-                                                                      return_hydra_config=True), bool(flags))
+                with held_logs() as held:
+                    key, prepared, folder = prepare(config_name, compose(config_name, overrides=job,
+                                                                          return_hydra_config=True), bool(flags))
                 writable(folder, WRITE_FIX[config_name if config_name == "eval" else bool(flags)])
-                PREPARED[key] = prepared
+                PREPARED[key], HELD[key] = prepared, held
     except (ConfigError, DataError, runlock.FolderInUse) as e:
         message = str(e)
     except Exception as e:  # Hydra / OmegaConf composition errors

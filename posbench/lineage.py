@@ -1,12 +1,15 @@
-"""A run started from another run's weights (``init_from``): the parent read, the new run checked against it, its
-weights loaded, and the lineage the new run records.
+"""A run started from another run's weights (``init_from``): the parent read, what the new run takes from it, the
+new run checked against it, its weights loaded, and the lineage the new run records.
 
     posbench train init_from=outputs/…/rope scheme.scaling=yarn scheme.factor=4 train.seq_len=512 train.steps=200 \
         train.schedule=constant train.weight_decay=0
 
-The new run's model starts from the parent's weights; its optimizer, schedule and step count start fresh, and its
-``train.*`` and scheme options are its own. The rules (docs/design.md §5.6), each checked by :func:`check_config`
-and :func:`check` before anything is written:
+The new run's model starts from the parent's weights; its optimizer, schedule and step count start fresh. It takes
+the parent's scheme, with the parent's options, and the parent's train length L, unless the command line or a
+preset gives them (:func:`inherited`: posbench/jobs.py puts it into Hydra's composition); its other ``train.*``
+and ``eval.*`` options are its own, and the options that differ from the parent's are logged when it starts
+(:func:`differences`). The rules (docs/design.md §5.6), each checked by :func:`check_config` and :func:`check`
+before anything is written:
 
 * every weight outside the scheme fits exactly: the same ``model.*`` sizes (dropout and attention dropout may
   differ), vocabulary and tokenizer (the tokenizer file's SHA-256);
@@ -14,17 +17,18 @@ and :func:`check` before anything is written:
   ``fine_tune_options`` (RoPE's ``base``, ``scaling``, ``factor``, ``original_length``, YaRN's ramp; the learned
   table's size, which may grow: ``init_rows``); or it changes as :data:`SCHEME_CHANGES` allows: RoPE → NoPE,
   positions dropped after pretraining and recalibrated ("DroPE", 2025);
-* options left unset (None) take the parent's resolved values (a learned table keeps its size), and derived ones
-  are filled from the parent's L (RoPE's ``original_length``: the length a scaling method scales from).
+* a scheme given by name (``scheme=<the parent's>``) starts from its defaults: options left unset (None) take the
+  parent's resolved values (a learned table keeps its size), and derived ones are filled from the parent's L
+  (RoPE's ``original_length``: the length a scaling method scales from).
 
 :func:`load` runs the same code on the real model that :func:`check` ran on the meta device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,14 +37,13 @@ from omegaconf import DictConfig, open_dict
 
 from posbench import build, checkpoint
 from posbench.build import MODEL_KEYS
-from posbench.config import ConfigError, to_dict
+from posbench.config import ConfigError, scheme_schema, to_dict
 from posbench.corpora import file_sha256
 from posbench.results import run_label
 from posbench.schemes import SCHEMES
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
-log = logging.getLogger("posbench")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,32 @@ def read(init_from: str) -> Parent:
         raise ConfigError(f"init_from={init_from!r}: {e}") from None
 
 
+def inherited(parent: Parent) -> dict:
+    """What a run started from ``parent`` takes from it unless given: ``{"scheme": the parent's scheme options
+    (its name included), "seq_len": its L}``. Raises ConfigError for a scheme no longer registered."""
+    if parent.scheme["name"] not in SCHEMES:
+        raise ConfigError(f"init_from={parent.path.parent}: its scheme {parent.scheme['name']!r} is not registered; "
+                          f"the schemes: {', '.join(sorted(SCHEMES))}")
+    fields = {f.name for f in dataclasses.fields(scheme_schema(parent.scheme["name"]))}
+    return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length}
+
+
+def differences(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """The options of the config ``after`` that differ from those of ``before``, as ``key: old → new``, in
+    ``after``'s order. Left out: keys ``before`` lacks (a parent recorded before the option existed), ``init_from``,
+    and the options of a probe ``after`` does not run (``eval.passkey.*`` without ``eval.probes=[passkey]``)."""
+    out, idle = [], [p for p in ("passkey", "context") if p not in after.get("probes", [])] if prefix == "eval." else []
+    for key, new in after.items():
+        if key not in before or prefix + key == "init_from" or key in idle:
+            continue
+        old = before[key]
+        if isinstance(new, dict) and isinstance(old, dict):
+            out += differences(old, new, f"{prefix}{key}.")
+        elif new != old:
+            out.append(f"{prefix}{key}: {old} → {new}")
+    return out
+
+
 def inherit(cfg: DictConfig, parent: Parent) -> None:
     """Set the options of ``cfg.scheme`` left unset (None) to the parent's resolved values, when the scheme keeps
     its name (a learned table keeps the parent's ``max_positions``)."""
@@ -108,13 +137,14 @@ def check_config(cfg: DictConfig, parent: Parent) -> None:
     """Raise ConfigError unless the finished config ``cfg`` may start from ``parent``, by what the configs say
     (before any data is read): the scheme's name, the model's sizes, the vocabulary size, and the scheme's
     options (only its ``fine_tune_options`` may differ from the parent's). Each message names the key and both
-    values. Logs the scheme options that change."""
+    values."""
     where = f"init_from={cfg.init_from}"
     old, new = parent.scheme["name"], cfg.scheme.name
     if old != new and (old, new) not in SCHEME_CHANGES:
-        raise ConfigError(f"scheme={new} but {where} was trained with scheme={old}: a fine-tune keeps the parent's "
-                          f"scheme (add scheme={old}; its options may change) or drops RoPE's positions (scheme=nope "
-                          "after rope)")
+        also = " or, after rope, give scheme=nope (DroPE: positions dropped)" if (old, "nope") in SCHEME_CHANGES else ""
+        raise ConfigError(f"scheme={new} but {where} was trained with scheme={old}: the weights of one scheme do not "
+                          f"load into another; drop scheme={new} (a fine-tune takes the parent's scheme and its "
+                          f"options){also}")
     parent_model = parent.spec["model"]
     for key in MODEL_KEYS:
         if key not in FREE_MODEL_KEYS and cfg.model[key] != parent_model[key]:
@@ -132,8 +162,6 @@ def check_config(cfg: DictConfig, parent: Parent) -> None:
         if key not in allowed:
             raise ConfigError(f"scheme.{key}={now} but {where} has scheme.{key}={was}: a fine-tune of {new} may change "
                               f"{', '.join(allowed) or 'none of its options'}; give scheme.{key}={was}")
-    if changed:
-        log.info("scheme options changed from the parent: %s", ", ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items()))
 
 
 def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_path: Path) -> None:

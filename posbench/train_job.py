@@ -13,6 +13,7 @@ The CLI prepares every job of a command line this way before the first one start
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +27,8 @@ from posbench.device import resolve_device
 from posbench.evaluate import span
 from posbench.results import run_label
 from posbench.training_state import resume_state
+
+log = logging.getLogger("posbench")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class TrainJob:
 
 
 def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
-    """The job of the composed config ``cfg`` (finalized in place), in ``run_dir`` when it is known.
+    """The job of the composed config ``cfg`` (finalized in place), in ``run_dir`` when it is known. A run started
+    from a parent (``init_from``) logs the options that differ from the parent's (``key: parent's → its own``).
 
     Raises:
         ConfigError: a bad value (``posbench.config.finalize``), splits too short for the lengths, a step that
@@ -82,6 +86,9 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
     finalize(cfg, trained_length=parent.length if parent else None)
     if parent:  # before the data: a refused run leaves no cache behind
         lineage.check_config(cfg, parent)
+        changed = lineage.differences(parent.state["config"], to_dict(cfg))
+        log.info("init_from=%s: %s", cfg.init_from, f"the options that differ from the parent's: {', '.join(changed)}"
+                 if changed else "no option differs from the parent's")
     corpus = prepare_data(cfg)
     job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size), parent=parent, needle=needle_of(cfg, corpus))
     if parent:

@@ -208,3 +208,94 @@ def test_the_zoo_sweeps_the_registry_itself(hydra_ctx, monkeypatch):
     assert zoo()[-1] == "newcomer"
     demo = compose("train", overrides=["experiment=demo"], return_hydra_config=True).hydra.sweeper.params.scheme
     assert demo == "sinusoidal,learned,rope,alibi"  # the demo stays the four seed schemes
+
+
+# ---- closed choices: declared once, on the field, checked in one loop ------------------------------------------
+
+
+def test_every_closed_choice_is_declared_on_its_field():
+    """The choices finalize checks are the fields' own (``choices(...)``: field metadata), each declared once."""
+    import dataclasses
+
+    from posbench.config import INIT_ROWS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.attention import ATTN_SCALES
+
+    def declared(schema, prefix=""):
+        for f in dataclasses.fields(schema):
+            if "choices" in f.metadata:
+                yield prefix + f.name, f.metadata["choices"]
+            elif dataclasses.is_dataclass(f.default_factory):
+                yield from declared(f.default_factory, f"{prefix}{f.name}.")
+
+    assert dict(declared(PosbenchConfig)) == {
+        "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
+        "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.schedule=cosin"], "train.schedule='cosin' is unknown; choose one of: cosine, constant"),
+    (["eval.split=train"], "eval.split='train' is unknown; choose one of: validation, test"),
+    (["resume=sometimes"], "resume='sometimes' is unknown; choose one of: auto, never"),
+    (["init_rows=copy"], "init_rows='copy' is unknown; choose one of: scheme, interpolate"),
+    (["model.attn_scale=logn"], "model.attn_scale='logn' is unknown; choose one of: none, log_n, ssmax"),
+    (["eval.probes=[passkey,contxt]"], "eval.probes has 'contxt'; the probes: passkey, context"),
+])
+def test_a_value_outside_its_fields_choices_is_refused_naming_them(overrides, message, hydra_ctx):
+    with pytest.raises(ConfigError) as info:
+        finalize(compose("train", overrides=overrides))
+    assert str(info.value) == message
+
+
+def test_check_choices_walks_the_sections_of_any_schema():
+    from dataclasses import dataclass, field
+
+    from posbench.config_checks import check_choices, choices
+
+    @dataclass
+    class Inner:
+        mode: str = choices("a", "b")
+        free: str = "anything"
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+        tags: list = choices("x", "y", default_factory=list)
+
+    check_choices(OmegaConf.create({"inner": {"mode": "b", "free": "z"}, "tags": ["y", "x"]}), Outer)
+    with pytest.raises(ConfigError, match=r"^inner.mode='c' is unknown; choose one of: a, b$"):
+        check_choices(OmegaConf.create({"inner": {"mode": "c", "free": "z"}, "tags": []}), Outer)
+    with pytest.raises(ConfigError, match=r"^tags has 'z'; the tags: x, y$"):
+        check_choices(OmegaConf.create({"inner": {"mode": "a"}, "tags": ["x", "z"]}), Outer)
+
+
+# ---- a warmup that takes every step; debug=fast beside a preset's lengths ------------------------------------
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    (["train.steps=20"], "train.warmup_steps=40 >= train.steps=20: every step is a warmup step, and the learning rate "
+                         "ends at 20/40 of train.lr=0.002, never reaching it; give train.warmup_steps below 20"),
+    (["train.steps=40"], "train.warmup_steps=40 >= train.steps=40: every step is a warmup step, and the learning rate "
+                         "reaches train.lr=0.002 only at the last step; give train.warmup_steps below 40"),
+    (["train.steps=41"], None),
+    (["train.steps=0", "init_from=outputs/parent"], None),  # no step at all: the parent evaluated as it is
+])
+def test_a_warmup_as_long_as_the_run_is_warned_about(overrides, warned, hydra_ctx, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="posbench"):
+        finalize(compose("train", overrides=overrides))
+        finalize(compose("train", overrides=overrides), training=False)  # a re-evaluation says nothing of training
+    assert [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()] == ([warned] if warned else [])
+
+
+@pytest.mark.parametrize("overrides, seq_len, lengths", [
+    (["debug=fast"], 32, [32, 64]),
+    (["debug=fast", "experiment=extend"], 512, [128, 256, 512, 1024, 2048, 4096]),  # the preset's, not debug's
+    (["debug=fast", "experiment=compare_gpu"], 512, [512, 1024, 2048, 4096, 8192, 16384]),
+    (["debug=fast", "experiment=demo"], 32, [32, 64]),  # a preset without lengths: debug's
+    (["debug=fast", "+extend=longer"], 128, [32, 64]),
+    (["debug=fast", "train.seq_len=16"], 16, [32, 64]),
+])
+def test_debug_fast_keeps_a_presets_lengths(overrides, seq_len, lengths, hydra_ctx):
+    cfg = compose("train", overrides=overrides)
+    assert (cfg.train.seq_len, list(cfg.eval.lengths), cfg.train.steps) == (seq_len, lengths, 4)  # debug's steps

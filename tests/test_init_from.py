@@ -1,5 +1,5 @@
-"""Runs started from another run's weights (``init_from``): what they load, what starts fresh, what they refuse,
-what they record, and that they resume like any run.
+"""Runs started from another run's weights (``init_from``): what they load, what they take from the parent, what
+starts fresh, what they refuse, what they log and record, and that they resume like any run.
 
 Parents are ``posbench train debug=fast`` runs (L = 32, 4 steps); fine-tunes run at L = 64 unless a test says
 otherwise. Expected weights come from the parent's checkpoint file, read here with ``torch.load``, or from a model
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from posbench import build, data
-from posbench.train import get_batch
+from posbench.batches import get_batch
 from test_refusals import refused, run_into, snapshot
 from test_resume import cli, rows, start, steps_of, valid_states, wait_until
 
@@ -121,6 +121,64 @@ def test_rope_to_nope_keeps_every_weight_and_drops_positions(run_cli, data_cache
     assert record(run)["label"] == "rope→nope ft64×0"
 
 
+# ---- what a run takes from its parent unless given (issue 28 item 6) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def child(run_cli, data_cache, parents, tmp_path_factory):
+    """A run from the learned parent (L = 32, 64 rows) that names neither the scheme nor L, nor debug=fast (whose L
+    would be given): its table grown to 128 rows, one step under the default 40 warmup steps."""
+    run = tmp_path_factory.mktemp("child") / "ft"
+    proc = run_cli("train", f"init_from={parents['learned']}", "scheme.max_positions=128", "train.steps=1",
+                   "eval.lengths=[32,64,128]", "eval.max_tokens=256", f"data.cache_dir={data_cache}",
+                   f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run, proc.stdout + proc.stderr
+
+
+def test_a_run_takes_the_parents_scheme_with_its_options(child):
+    """``scheme.max_positions=128`` alone: an option of the parent's learned scheme (it was refused as "not an
+    option of the rope scheme", the default)."""
+    run, _ = child
+    assert record(run)["config"]["scheme"] == {"name": "learned", "max_positions": 128}
+    assert record(run)["label"] == "learned ft32×1"
+
+
+def test_a_run_takes_the_parents_length(child):
+    run, _ = child
+    assert record(run)["config"]["train"]["seq_len"] == 32  # the parent's L, not the default 128
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning_at_start(child, parents):
+    run, out = child
+    warning = ("train.warmup_steps=40 >= train.steps=1: every step is a warmup step, and the learning rate ends at "
+               "1/40 of train.lr=0.002, never reaching it; give train.warmup_steps below 1")
+    assert f"[WARNING] - {warning}" in out and warning in (run / "train.log").read_text()
+    assert "warmup" not in (parents["learned"] / "train.log").read_text()  # debug=fast: 1 warmup step of 4
+
+
+def test_the_options_that_differ_from_the_parents_are_logged_at_start(child, parents):
+    run, out = child
+    line = next(ln for ln in (run / "train.log").read_text().splitlines() if "differ from the parent" in ln)
+    assert line.endswith(f"[INFO] - init_from={parents['learned']}: the options that differ from the parent's: "
+                         "scheme.max_positions: 64 → 128, train.batch_size: 4 → 16, train.steps: 4 → 1, "
+                         "train.warmup_steps: 1 → 40, train.log_every: 1 → 50, eval.lengths: [32, 64] → [32, 64, 128]"), line
+    assert out.index("differ from the parent") < out.index("starting from the weights")
+
+
+def test_debug_fast_keeps_a_presets_lengths(run_cli):
+    """``experiment=extend debug=fast`` fine-tunes at the preset's 512 (debug's L = 32 used to win)."""
+    proc = run_cli("train", "experiment=extend", "debug=fast", "--cfg", "job")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "seq_len: 512" in proc.stdout and "- 4096" in proc.stdout and "steps: 4" in proc.stdout
+
+
+def test_cfg_job_shows_what_a_run_takes_from_its_parent(run_cli, parents):
+    proc = run_cli("train", f"init_from={parents['learned']}", "--cfg", "job")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "scheme:\n  name: learned\n  max_positions: 64\n" in proc.stdout and "  seq_len: 32\n" in proc.stdout
+
+
 # ---- refusals: exit 2, one line, nothing written ------------------------------------------------------------
 
 
@@ -137,7 +195,8 @@ def other_tokenizer(parents, tmp_path):
 
 
 REFUSALS = [
-    ("rope", ["scheme=alibi"], r"scheme=alibi but init_from=\S+ was trained with scheme=rope"),
+    ("rope", ["scheme=alibi"], r"scheme=alibi but init_from=\S+ was trained with scheme=rope: the weights of one scheme "
+                               r"do not load into another; drop scheme=alibi .* or, after rope, give scheme=nope"),
     ("rope", ["model.d_model=64"], r"model.d_model=64 but init_from=\S+ has model.d_model=128"),
     ("rope", ["model.n_layer=2"], r"model.n_layer=2 but init_from=\S+ has model.n_layer=4"),
     ("rope", ["data.vocab_size=2048"], r"data.vocab_size=2048 but init_from=\S+ has data.vocab_size=4096"),
@@ -172,7 +231,8 @@ def test_refusals_exit_2_with_nothing_written(run_cli, data_cache, parents, tmp_
 
 
 def test_a_parents_option_is_not_silently_replaced_by_a_default(run_cli, data_cache, tmp_path):
-    """A parent trained with a non-default option: a child that leaves it at the default is refused, naming both."""
+    """A parent trained with a non-default option: a child that names the scheme (its defaults) and leaves the
+    option at the default is refused, naming both; one that names no scheme takes the parent's options."""
     parent = tmp_path / "parent"
     assert run_into(run_cli, data_cache, parent, "scheme=xpos", "scheme.gamma=0.8").returncode == 0
     run = tmp_path / "ft"
@@ -183,6 +243,19 @@ def test_a_parents_option_is_not_silently_replaced_by_a_default(run_cli, data_ca
     ok = run_into(run_cli, data_cache, tmp_path / "ok", f"init_from={parent}", "scheme=xpos", "scheme.gamma=0.8", *FT,
                   "train.steps=0")
     assert ok.returncode == 0, ok.stdout + ok.stderr
+    taken = run_into(run_cli, data_cache, tmp_path / "taken", f"init_from={parent}", *FT, "train.steps=0")
+    assert taken.returncode == 0, taken.stdout + taken.stderr
+    assert record(tmp_path / "taken")["config"]["scheme"] == record(tmp_path / "ok")["config"]["scheme"]
+
+
+def test_a_sweep_over_parents_that_differ_is_refused(run_cli, data_cache, parents, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train", "-m", "debug=fast", f"init_from={parents['rope']},{parents['learned']}", "train.steps=0",
+                   f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert re.fullmatch(r"posbench: error: init_from=\S+,\S+: a run takes its parent's scheme, scheme options and L, "
+                        r"and these parents differ \(.*scheme.name=rope .*; .*scheme.name=learned .*\); .*", proc.stderr.strip())
+    assert not sweep.exists()
 
 
 def test_a_run_cannot_start_from_its_own_folder(run_cli, data_cache, parents, tmp_path):

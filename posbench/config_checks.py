@@ -1,0 +1,247 @@
+"""The value checks of a composed config: one checker per section, run in order by ``posbench.config.finalize``.
+
+Closed choices (``train.schedule``, ``eval.protocol``, ``eval.probes``, …) are declared once, on their schema field
+(``field(metadata={"choices": ...})``: posbench/config.py), and :func:`check_choices` checks them all in one loop,
+so a new choice is one tuple, not one more hand-written check. Every other value has its section's checker:
+
+    check_keys(cfg, PosbenchConfig());  check_choices(cfg, PosbenchConfig)
+    run_values(cfg); train_values(cfg.train, cfg.init_from, training); data_values(cfg.data)
+    model_values(cfg.model, L); eval_values(cfg.eval, L); random_positions(cfg.train, cfg.scheme.name, cfg.eval)
+
+Each raises :class:`ConfigError`, one line naming the value and what is allowed; some fill a derived default in
+place (``eval.lengths``, ``model.scale_length``, ``train.compile``), as their docstrings say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+from omegaconf import DictConfig, ListConfig
+
+from posbench import context, passkey
+from posbench.device import resolve_device
+from posbench.schemes import SCHEMES
+
+log = logging.getLogger("posbench")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the CLI prints its message as one line and exits with status 2."""
+
+
+def choices(*options: str, **kwargs) -> dataclasses.Field:
+    """A schema field whose value (or, for a list, each item) must be one of ``options``; the first is the
+    default of a plain field (pass ``default_factory=list`` for a list)."""
+    if "default_factory" not in kwargs:
+        kwargs.setdefault("default", options[0])
+    return dataclasses.field(metadata={"choices": tuple(options)}, **kwargs)
+
+
+def positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
+
+
+def check_keys(node: DictConfig, known, prefix: str = "") -> None:
+    """Reject keys the schema instance ``known`` lacks (Hydra's ``+key=value`` lifts struct mode, so composition
+    alone lets them in)."""
+    for key in node:
+        if not hasattr(known, key):
+            raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: posbench train --cfg job")
+        if dataclasses.is_dataclass(getattr(known, key)):
+            check_keys(node[key], getattr(known, key), f"{prefix}{key}.")
+
+
+def check_choices(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Check every field of the dataclass ``schema`` that declares ``choices`` (:func:`choices`), in its
+    sections too: ``train.schedule='cosin'`` → "train.schedule='cosin' is unknown; choose one of: cosine,
+    constant"; a list field is checked item by item ("eval.probes has 'contxt'; the probes: passkey, context")."""
+    for f in dataclasses.fields(schema):
+        value = node.get(f.name) if isinstance(node, DictConfig) else None
+        key, allowed = prefix + f.name, f.metadata.get("choices")
+        if allowed and isinstance(value, (list, ListConfig)):
+            for item in value:
+                if item not in allowed:
+                    raise ConfigError(f"{key} has {item!r}; the {f.name}: {', '.join(allowed)}")
+        elif allowed and value is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r} is unknown; choose one of: {', '.join(allowed)}")
+        elif isinstance(value, DictConfig) and dataclasses.is_dataclass(f.default_factory):
+            check_choices(value, f.default_factory, f"{key}.")
+
+
+def check_device(key: str, name: str) -> None:
+    """Raise ConfigError for a device other than auto / cpu / cuda[:n], or CUDA on a machine without it."""
+    if name != "auto" and name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"{key}={name!r} is unknown; choose auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
+
+
+def compile_default(setting: bool | None, device: str) -> bool:
+    """``train.compile`` as a run on ``device`` (a checked ``train.device``: auto, cpu, cuda[:n]) uses it: the
+    ``setting`` when given, else (None) True where the device is CUDA and False on the CPU."""
+    return setting if setting is not None else resolve_device(device).type == "cuda"
+
+
+def longest_length(e: DictConfig) -> int:
+    """The longest window an evaluation config scores: its longest evaluation length, or probe length when it
+    probes (``eval.probes``)."""
+    return max([*e.lengths, *(e.passkey.lengths if "passkey" in e.probes and e.passkey.lengths else [])])
+
+
+# ---- the sections ------------------------------------------------------------------------------------------
+
+
+def run_values(cfg: DictConfig) -> None:
+    """The run's own keys: ``seed``, the scheme's name, and ``init_rows`` without ``init_from``."""
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} is not allowed: it must be an integer >= 0")
+    if cfg.scheme.name not in SCHEMES:
+        raise ConfigError(f"unknown scheme {cfg.scheme.name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    if cfg.init_rows != "scheme" and cfg.init_from is None:
+        raise ConfigError(f"init_rows={cfg.init_rows} applies to a run started from a parent: add init_from=<run folder>")
+
+
+def train_values(t: DictConfig, init_from: str | None, training: bool) -> None:
+    """``train.*``: sizes, steps (0 only with ``init_from``), the optimizer's values, checkpoints, and, when
+    ``training`` (a training job, not a re-evaluation of a recorded config), the device (``train.compile`` filled:
+    :func:`compile_default`) and a warning when the warmup takes every step."""
+    for key in ("seq_len", "batch_size", "log_every"):
+        positive(f"train.{key}", t[key])
+    if t.steps == 0 and init_from is None:
+        raise ConfigError("train.steps=0 needs init_from=<run folder> (0 steps: a parent's weights evaluated as they "
+                          "are); a run from scratch needs a positive train.steps")
+    if t.steps != 0:
+        positive("train.steps", t.steps)
+    _optimizer_values(t)
+    if t.sync_every is not None:
+        positive("train.sync_every", t.sync_every)
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
+    if not training:  # (posbench eval reads a run's recorded train.device, which need not exist on this machine)
+        return
+    check_device("train.device", t.device)
+    t.compile = compile_default(t.compile, t.device)
+    if 0 < t.steps <= t.warmup_steps:  # (posbench/train.py lr_factor: step i < W takes lr · (i + 1) / W)
+        end = (f"reaches train.lr={t.lr:g} only at the last step" if t.steps == t.warmup_steps else
+               f"ends at {t.steps}/{t.warmup_steps} of train.lr={t.lr:g}, never reaching it")
+        log.warning("train.warmup_steps=%d >= train.steps=%d: every step is a warmup step, and the learning rate %s; "
+                    "give train.warmup_steps below %d", t.warmup_steps, t.steps, end, t.steps)
+
+
+def _optimizer_values(t: DictConfig) -> None:
+    """Values that would silently break training: each refused with the value and what is allowed."""
+    if not (math.isfinite(t.lr) and t.lr > 0):  # (nan and inf fail every comparison that would let them through)
+        raise ConfigError(f"train.lr={t.lr} is not allowed: it must be a finite number > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is not allowed: it must be between 0 and train.lr={t.lr} "
+                          "(the cosine schedule decays from lr to min_lr)")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not allowed: it must be >= 0")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        raise ConfigError(f"train.weight_decay={t.weight_decay} is not allowed: it must be >= 0")
+    if not t.grad_clip >= 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} is not allowed: it must be > 0 (the largest gradient norm) "
+                          "or 0 (no clipping)")
+    betas = list(t.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"train.betas={betas} is not allowed: give two AdamW betas, each 0 <= beta < 1")
+
+
+def data_values(d: DictConfig) -> None:
+    """``data.*``: the vocabulary size, the training data's needles (``data.passkey_*``) and copy windows
+    (``data.copy_*``)."""
+    positive("data.vocab_size", d.vocab_size)
+    for key in ("passkey_rate", "copy_rate"):
+        if not 0 <= d[key] <= 1:
+            raise ConfigError(f"data.{key}={d[key]} is not allowed: it is a fraction of training windows, between 0 and 1")
+    positive("data.passkey_pairs", d.passkey_pairs)
+    if not 0 < d.copy_until <= 1:
+        raise ConfigError(f"data.copy_until={d.copy_until} is not allowed: it is the fraction of train.steps at which "
+                          "copy windows end, in (0, 1]")
+
+
+def model_values(m: DictConfig, seq_len: int) -> None:
+    """``model.*``: sizes, heads that divide the width into even head dimensions, dropouts in [0, 1), and log-n
+    scaling's ``model.scale_length`` (filled: None → ``seq_len``, the length the weights are trained at)."""
+    for key in ("n_layer", "n_head", "d_model", "d_ff"):
+        positive(f"model.{key}", m[key])
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    for key in ("dropout", "attn_dropout"):
+        if not 0 <= m[key] < 1:  # (NaN fails it too)
+            raise ConfigError(f"model.{key}={m[key]} is not allowed: it is a dropout probability, 0 <= p < 1")
+    if m.attn_scale != "log_n":
+        if m.scale_length is not None:
+            raise ConfigError(f"model.scale_length={m.scale_length} applies to model.attn_scale=log_n only "
+                              f"(model.attn_scale={m.attn_scale}): drop it")
+        return
+    if m.scale_length is None:
+        m.scale_length = seq_len
+    if m.scale_length < 2:
+        raise ConfigError(f"model.scale_length={m.scale_length} is not allowed: log-n scaling divides by ln L, "
+                          "so L must be >= 2")
+
+
+def eval_values(e: DictConfig, seq_len: int) -> None:
+    """Fill ``eval.lengths`` (None → L·2^k, k = 0…4), ``eval.passkey.lengths`` (None → ``eval.lengths``) and
+    ``eval.context.stride`` (None → L // 8), and check the evaluation settings (the probes' options by their own
+    checks: posbench/passkey.py, posbench/context.py)."""
+    if e.max_tokens is not None:
+        positive("eval.max_tokens", e.max_tokens)
+    positive("eval.batch_tokens", e.batch_tokens)
+    if isinstance(e.probe_every, bool) or not isinstance(e.probe_every, int) or e.probe_every < 0:
+        raise ConfigError(f"eval.probe_every={e.probe_every!r} is not allowed: give the training steps between probes "
+                          "(> 0), or 0 for none")
+    if e.probe_every and "passkey" not in e.probes:
+        raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
+                          "'eval.probes=[passkey]', or drop eval.probe_every")
+    if e.lengths is None:
+        e.lengths = [seq_len * 2**k for k in range(5)]
+    if len(e.lengths) == 0:
+        raise ConfigError("eval.lengths=[] is empty: give at least one evaluation length >= 2")
+    for n in e.lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
+    if list(e.lengths) != sorted(set(e.lengths)):
+        raise ConfigError(f"eval.lengths={list(e.lengths)} is not allowed: give increasing lengths without repeats, "
+                          f"e.g. [{','.join(map(str, sorted(set(e.lengths))))}] (tables and ratios read them in order)")
+    if e.passkey.lengths is None:
+        e.passkey.lengths = list(e.lengths)
+    try:
+        passkey.check(e.passkey)
+        context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if e.protocol != "sliding" and e.stride is not None:
+        raise ConfigError(f"eval.stride={e.stride} applies to eval.protocol=sliding only, and eval.protocol="
+                          f"{e.protocol}: drop eval.stride, or add eval.protocol=sliding")
+    if e.protocol == "sliding":
+        if e.stride is None:
+            raise ConfigError("eval.protocol=sliding needs eval.stride (1 <= stride <= the evaluation length)")
+        if e.stride < 1 or e.stride > min(e.lengths):
+            raise ConfigError(f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest "
+                              f"evaluation length {min(e.lengths)}")
+
+
+def random_positions(t: DictConfig, scheme: str, e: DictConfig) -> None:
+    """``train.random_positions`` (M): at least L, for a scheme that reads positions; a warning when M is below
+    the longest evaluation length (positions from M on are never seen in training)."""
+    M = t.random_positions
+    if M is None:
+        return
+    positive("train.random_positions", M)
+    if M < t.seq_len:
+        raise ConfigError(f"train.random_positions={M} is smaller than train.seq_len={t.seq_len}: "
+                          "a window's positions are distinct integers drawn from [0, M)")
+    if not SCHEMES[scheme].reads_positions():
+        raise ConfigError(f"train.random_positions={M} but scheme={scheme} uses no positions: "
+                          "drop train.random_positions, or choose a scheme that reads them")
+    if M < longest_length(e):
+        log.warning("train.random_positions=%d is below the longest evaluation length %d: positions from %d on are "
+                    "never seen in training", M, longest_length(e), M)
