@@ -1,15 +1,39 @@
 """posbench: train short, test long. Length-extrapolation experiments for positional encodings.
 
-Run ``posbench --help``. The package in layers, each importing only from the layers below it (docs/design.md §1):
-
-    cli                        the command line: Hydra registration, every job checked before it runs
-    train_job  eval_job        a composed config → a job ready to run (resolved once), and running it
-    train  training_state      the training loop; a run folder's training states
-    report → compare, plots    many runs' records: collected and compared, then rendered
-    build  checkpoint  evaluate  results  upgrade  config
-    model  attention  data  corpora
-    schemes/                   the positional schemes, their registry and RoPE's scalings
-    dist  device  gpus  stats  tracking
+Run ``posbench --help``. :data:`LEVELS` is the package's one layer map: a module imports only from modules of lower
+levels (tests/test_layers.py enforces it), so each level can be read knowing only the ones below it.
 """
 
 __version__ = "0.1.0"
+
+# Bottom to top; names relative to the package; "schemes.*": any scheme family file (a new scheme needs no entry).
+LEVELS: tuple[tuple[str, ...], ...] = (
+    # 0 — nothing of posbench: the scheme interface, RoPE's scalings, corpora, the passkey probe's trials, statistics,
+    #     plots, the optimizer, process helpers
+    ("schemes.base", "schemes.rope_scaling", "corpora", "passkey", "stats", "plots", "optim", "dist", "device", "gpus",
+     "signals", "runlock"),
+    # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
+    ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "retrieval"),
+    # 2 — the scheme registry, the context-use probe, FlexAttention
+    ("schemes", "context", "flex"),
+    # 3 — the attention kernels, a run's record and label, the config's value checks
+    ("attention", "results", "config_checks"),
+    # 4 — the model, the config schema
+    ("model", "config"),
+    # 5 — records of older formats
+    ("upgrade",),
+    # 6 — spec → model, checkpoint files, many runs compared
+    ("build", "checkpoint", "compare"),
+    # 7 — init_from, the memory estimate, the report, training states
+    ("lineage", "memory", "report", "training_state"),
+    # 8 — a training job, prepared
+    ("train_job",),
+    # 9 — the training loop; a re-evaluation job
+    ("train", "eval_job"),
+    # 10 — every job of a command line, prepared before Hydra
+    ("jobs",),
+    # 11 — the command line
+    ("cli",),
+    # 12 — python -m posbench
+    ("__main__",),
+)

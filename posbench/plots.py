@@ -33,7 +33,7 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h")  # hollow, one
 
 def _pyplot():
     """matplotlib.pyplot drawing to files (imported here: a run that draws no plot never imports matplotlib)."""
-    import matplotlib
+    import matplotlib  # only here: a run that draws no plot never imports matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # (after choosing the backend that draws to files)
@@ -80,7 +80,7 @@ def _save(plt, fig, path: Path, handles: list) -> Path:
 def _handles(styles: list[dict], train_length: int | None = None) -> list:
     """Legend entries: one line per style (its colour, line style, marker and label), and the train length's dashed
     grey line."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # (matplotlib: imported only where a plot is drawn)
 
     return ([Line2D([], [], **style) for style in styles]
             + ([Line2D([], [], color="grey", linestyle="--", label=f"L = {train_length}")] if train_length else []))
@@ -176,7 +176,7 @@ def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[
     ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
     ax.tick_params(labelsize=FONT)
     ax.set_title(_title(f"Passkey retrieval vs distance. {title}"), fontsize=FONT + 1)
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # (matplotlib: imported only where a plot is drawn)
 
     _save(plt, fig, out / "passkey_vs_distance.png", _handles([style[s] for s in distance])
           + [Line2D([], [], color="grey", linestyle="--", label="distance = L")])

@@ -1,5 +1,5 @@
-"""The package's layering (docs/design.md §1): every module imports alone in a fresh interpreter, no module imports
-back up into one that imports it (no cycle, imports inside functions counted), and the only imports placed inside
+"""The package's layering: every module has a level in ``posbench.LEVELS`` and imports only from lower levels (imports
+inside functions counted), every module imports alone in a fresh interpreter, no import cycle, and the only imports placed inside
 functions are of the third-party packages whose import a run may skip, each with a comment on its line saying so:
 wandb and matplotlib (when tracking or plotting is off), submitit (outside SLURM), datasets (with a warm data cache)
 and scipy (outside a report): each costs start-up time that most processes never need.
@@ -49,6 +49,71 @@ def imported(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, in
             continue
         out += [(t, id(node) in inside, node.lineno) for t in targets if t in known and t != name]
     return out
+
+
+def levels_table() -> tuple[tuple[str, ...], ...]:
+    """``posbench.LEVELS``, read from the source with ``ast`` (no import of the package)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    return next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "LEVELS")
+
+
+def levels() -> dict[str, int]:
+    """{dotted module name: level}; "schemes.*" gives every scheme family file its level, below any entry that
+    names a module of that folder itself (the registry, the interface)."""
+    out, named = {}, {}
+    for level, names in enumerate(levels_table()):
+        for name in names:
+            if name.endswith(".*"):
+                folder = name[:-2]
+                for path in sorted((PACKAGE / folder.replace(".", "/")).glob("*.py")):
+                    out[f"posbench.{folder}.{path.stem}"] = level
+            else:
+                named[f"posbench.{name}"] = level
+    return {**out, **named}
+
+
+def test_every_module_has_one_level():
+    """Each module of the package is placed in LEVELS (a new module must say where it stands), once."""
+    names = [name for names in levels_table() for name in names]
+    assert len(names) == len(set(names)), "a module is named twice in LEVELS"
+    missing = sorted(set(modules()) - {"posbench"} - set(levels()))
+    assert not missing, f"modules without a level in posbench.LEVELS: {missing}"
+    stale = sorted(f"posbench.{n}" for n in names if not n.endswith(".*") and f"posbench.{n}" not in modules())
+    assert not stale, f"LEVELS names modules that do not exist: {stale}"
+
+
+def test_a_module_imports_only_from_lower_levels():
+    """Every import of a package module (top level or inside a function) goes to a strictly lower level: an import
+    from the same level or above fails, naming both modules, their levels and the line."""
+    mods, level = modules(), levels()
+    wrong = []
+    for m, path in mods.items():
+        if m == "posbench":
+            continue
+        for target, _, line in imported(m, path, set(mods)):
+            if target != "posbench" and level[target] >= level[m]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {m} (level {level[m]}) imports {target} "
+                             f"(level {level[target]})")
+    assert not wrong, "imports from the same level or above:\n" + "\n".join(wrong)
+
+
+def test_the_level_check_catches_an_upward_import(tmp_path, monkeypatch):
+    """The check above fails on a package where a module imports one of a higher level or of its own (a fixture
+    package made here), and passes once the imports go down."""
+    pkg = tmp_path / "posbench"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low",), ("high",))\n')
+    (pkg / "high.py").write_text("from posbench import low\n")
+    (pkg / "low.py").write_text("from posbench import high\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match=r"posbench.low \(level 0\) imports posbench.high \(level 1\)"):
+        test_a_module_imports_only_from_lower_levels()
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low", "high"),)\n')
+    (pkg / "low.py").write_text("")
+    with pytest.raises(AssertionError, match=r"posbench.high \(level 0\) imports posbench.low \(level 0\)"):
+        test_a_module_imports_only_from_lower_levels()  # the same level is not below
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low",), ("high",))\n')
+    test_a_module_imports_only_from_lower_levels()
 
 
 def test_no_module_imports_back_up():
