@@ -20,16 +20,16 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("attention", "results", "config_checks"),
     # 4 — the model, the config schema
     ("model", "config"),
-    # 5 — records of older formats
-    ("upgrade",),
+    # 5 — records of older formats; what a job reads (the corpus, its splits checked; the passkey needle)
+    ("upgrade", "inputs"),
     # 6 — spec → model, checkpoint files, many runs compared
     ("build", "checkpoint", "compare"),
     # 7 — init_from, the memory estimate, the report, training states
     ("lineage", "memory", "report", "training_state"),
-    # 8 — a training job, prepared
-    ("train_job",),
-    # 9 — the training loop; a re-evaluation job
-    ("train", "eval_job"),
+    # 8 — a training job, prepared; a re-evaluation job, prepared and run
+    ("train_job", "eval_job"),
+    # 9 — the training loop
+    ("train",),
     # 10 — every job of a command line, prepared before Hydra
     ("jobs",),
     # 11 — the command line

@@ -33,8 +33,8 @@ from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_d
                              scheme_schema, to_dict)
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
+from posbench.inputs import needle_of, prepare_data
 from posbench.schemes import SCHEMES
-from posbench.train_job import needle_of, prepare_data
 
 log = logging.getLogger("posbench")
 

@@ -7,7 +7,7 @@ The CLI prepares every job of a command line this way before the first one start
 ``posbench.train.train``, which takes it as it is.
 
     job = prepare(cfg, run_dir)   # cfg: the composed DictConfig; raises ConfigError or DataError
-    train(job, run_dir)
+    train(job, tracker)           # posbench/train.py
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from posbench import build, data, dist, lineage, memory, passkey
 from posbench.config import ConfigError, finalize, longest_length, to_dict
 from posbench.device import resolve_device
-from posbench.evaluate import span
+from posbench.inputs import needle_of, prepare_data
 from posbench.results import run_label
 from posbench.training_state import resume_state
 
@@ -135,48 +135,3 @@ def in_folder(job: TrainJob, run_dir: Path) -> TrainJob:
         raise ConfigError(f"init_from={job.config.init_from} is this run's own folder: a run starts from another run's "
                           "weights; choose a new folder with hydra.run.dir=DIR")
     return dataclasses.replace(job, run_dir=run_dir, state=resume_state(job.config, run_dir))
-
-
-def needle_of(cfg: DictConfig, corpus: data.Corpus) -> passkey.Needle | None:
-    """The passkey needle of ``cfg.eval.passkey`` in the corpus's tokenizer when the job trains or probes with it,
-    else None. Raises ConfigError: options the tokenizer cannot serve (``posbench.passkey.make_needle``), probe
-    lengths too short for a needle and a query, or, with ``data.passkey_rate`` > 0, training windows too short for
-    ``data.passkey_pairs`` of them (the message names the window length they need)."""
-    p, d = cfg.eval.passkey, cfg.data
-    probing = "passkey" in cfg.eval.probes
-    if not (d.get("passkey_rate") or probing):
-        return None
-    try:
-        needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], p.marker, p.end, p.key_length,
-                                     p.key_vocab, p["keys"])
-        if probing:
-            passkey.trials(len(corpus.tokens[cfg.eval.split]), needle, list(p.lengths), list(p.depths), 1, p.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    pairs, width, pair = d.get("passkey_pairs", 1), cfg.train.seq_len + 1, needle.needle_length + needle.query_length
-    if d.get("passkey_rate") and pairs * pair > width:  # (passkey.insert would leave every window without needles)
-        fix = "raise train.seq_len" + (" or lower data.passkey_pairs" if pairs > 1 else ", or drop data.passkey_rate")
-        raise ConfigError(f"data.passkey_rate={d.passkey_rate}: data.passkey_pairs={pairs} needle + query pairs take "
-                          f"{pairs} × {pair} tokens, more than a training window of train.seq_len + 1 = {width}; "
-                          f"needles need a window of at least {pairs * pair} tokens (train.seq_len >= "
-                          f"{pairs * pair - 1}): {fix}")
-    return needle
-
-
-def prepare_data(cfg: DictConfig) -> data.Corpus:
-    """The corpus of ``cfg.data``, prepared into its cache (or read from it), with its splits checked.
-
-    Raises:
-        posbench.data.DataError: unusable data.
-        ConfigError: the evaluation split is shorter than the longest evaluation length (the message
-            gives its token count), or the train split is shorter than L + 2.
-    """
-    t, e = cfg.train, cfg.eval
-    corpus = data.prepare(**to_dict(cfg.data))
-    try:
-        span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
-    except ValueError as err:
-        raise ConfigError(str(err).replace("evaluation split", f"{e.split} split")) from None
-    if len(corpus.tokens["train"]) <= t.seq_len + 1:
-        raise ConfigError(f"the train split has {len(corpus.tokens['train'])} tokens, too few for train.seq_len={t.seq_len}")
-    return corpus
