@@ -9,11 +9,11 @@ __version__ = "0.1.0"
 # Bottom to top; names relative to the package; "schemes.*": any scheme family file (a new scheme needs no entry).
 LEVELS: tuple[tuple[str, ...], ...] = (
     # 0 — nothing of posbench: the scheme interface, RoPE's scalings, corpora, the passkey probe's trials, statistics,
-    #     plots, the optimizer, process helpers
-    ("schemes.base", "schemes.rope_scaling", "corpora", "passkey", "stats", "plots", "optim", "dist", "device", "gpus",
-     "signals", "runlock"),
+    #     plots, the report tier's package (it imports nothing), the optimizer, process helpers
+    ("schemes.base", "schemes.rope_scaling", "corpora", "passkey", "report", "report.stats", "report.plots", "optim",
+     "dist", "device", "gpus", "signals", "runlock"),
     # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
-    ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "retrieval"),
+    ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "report.retrieval"),
     # 2 — the scheme registry, the context-use probe, FlexAttention
     ("schemes", "context", "flex"),
     # 3 — the attention kernels, a run's record and label, the config's value checks
@@ -23,9 +23,9 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     # 5 — records of older formats; what a job reads (the corpus, its splits checked; the passkey needle)
     ("upgrade", "inputs"),
     # 6 — spec → model, checkpoint files, many runs compared
-    ("build", "checkpoint", "compare"),
-    # 7 — init_from, the memory estimate, the report, training states
-    ("lineage", "memory", "report", "training_state"),
+    ("build", "checkpoint", "report.compare"),
+    # 7 — init_from, the memory estimate, the report rendered, training states
+    ("lineage", "memory", "report.render", "training_state"),
     # 8 — a training job, prepared; a re-evaluation job, prepared and run
     ("train_job", "eval_job"),
     # 9 — the training loop

@@ -35,7 +35,8 @@ from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from posbench import compare, dist, eval_job, flex, gpus, jobs, report, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench import dist, eval_job, flex, gpus, jobs, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench.report import compare, render  # noqa: E402
 from posbench.checkpoint import CheckpointError  # noqa: E402
 from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
@@ -162,7 +163,7 @@ class ReportCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)
         try:
-            table_text, rows, images = report.write_report([sweep], sweep)
+            table_text, rows, images = render.write_report([sweep], sweep)
         except compare.ReportError as e:
             report.log.warning("no report: %s", e)
             return
@@ -182,7 +183,7 @@ def _report(argv: list[str]) -> None:
     except ConfigError as e:
         fail(str(e))
     try:
-        table_text, _, _ = report.write_report(args.folders, args.out or args.folders[0])
+        table_text, _, _ = render.write_report(args.folders, args.out or args.folders[0])
     except compare.ReportError as e:
         fail(str(e))
     print(f"{table_text}\n\nreport: {(args.out or args.folders[0]) / 'report.md'}")

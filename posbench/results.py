@@ -7,7 +7,7 @@ length, and per passkey probe length, :data:`CSV_COLUMNS`) into its run folder; 
 protocol, stride, split, seed, tokens and time trained, environment, and the fields its caller adds
 (``scored_split``, ``status``, ``world_size``, …) — then ``results``, one row per evaluation length with its
 per-position and per-window NLL, and ``config``, the resolved config. A failed run's record is ``{format,
-status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (posbench/compare.py).
+status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (posbench/report/compare.py).
 
     rec = record(config, rows, "rope", split="validation", train_tokens=n, train_seconds=s, device="cpu", threads=4)
     write_results(run_dir, rec)                                  # results.json, results.csv
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from posbench import context, retrieval
+from posbench import context
+from posbench.report import retrieval
 from posbench.schemes import variant_label
 
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
@@ -37,7 +38,7 @@ CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", 
                "passkey_trials", "passkey_correct", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high",
                "passkey_gain"]  # passkey_*: eval.probes=[passkey], its probe lengths (exact match, Wilson 95% interval)
 PASSKEY_CSV = {"trials": "n", "correct": "correct", "accuracy": "accuracy", "ci_low": "ci_low", "ci_high": "ci_high",
-               "gain": "gain"}  # results.csv's passkey_<column> → posbench.retrieval.run_cells' key
+               "gain": "gain"}  # results.csv's passkey_<column> → posbench.report.retrieval.run_cells' key
 
 
 def record(config: dict, rows: list[dict], label: str, split: str, train_tokens: int, train_seconds: float,
@@ -128,7 +129,7 @@ def _base(rec: dict) -> dict:
 
 def run_table(rec: dict) -> str:
     """One run as a table: evaluation length, perplexity, ratio to the perplexity at L, tokens scored; then the
-    passkey probe's table (posbench/retrieval.py) and the context probe's (posbench/context.py) when the record has
+    passkey probe's table (posbench/report/retrieval.py) and the context probe's (posbench/context.py) when the record has
     them."""
     base, stride = _base(rec), f", stride {rec['stride']}" if rec["protocol"] == "sliding" else ""
     lines = [f"{rec.get('label', rec['scheme'])} (L={rec['train_length']}, {rec['protocol']}{stride}, {split_text(rec)})",

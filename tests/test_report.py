@@ -18,7 +18,7 @@ import pytest
 import scipy.stats
 from omegaconf import OmegaConf
 
-from posbench import compare, report
+from posbench.report import compare, render
 from posbench import config as schema
 from posbench.upgrade import upgrade
 from posbench.evaluate import position_bins, windows
@@ -315,7 +315,7 @@ def test_a_setting_that_differs_between_schemes_labels_every_row(tmp_path):
         alibi = config("alibi", seed, n_layer=3)
         alibi["train"]["device"] = "cpu"  # bookkeeping: named, but it labels no row
         write_run(root / f"alibi{seed}", alibi)
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "rope"], table_text
     assert legend_rows(table_text) == {"alibi": {"model.n_layer": "3"}, "rope": {"model.n_layer": "2"}}, table_text
     assert list(dict.fromkeys(r["setting"] for r in report_csv(root))) == ["alibi, model.n_layer=3", "rope, model.n_layer=2"]
@@ -332,7 +332,7 @@ def test_a_scheme_key_labels_the_rows_of_its_scheme(tmp_path):
         cfg["scheme"]["base"] = base
         write_run(root / f"rope{base}", cfg)
     write_run(root / "alibi", config("alibi", 0))
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "rope, scheme.base=500.0", "rope, scheme.base=10000.0"], table_text
 
 
@@ -346,7 +346,7 @@ def test_a_variant_label_names_its_row_record_and_eval_file(tmp_path):
     path = write_eval(folder, yarn)
     assert path.name == "eval-rope+yarnx16-nonoverlapping-validation-1.json"
     assert json.loads(path.read_text())["label"] == "rope+yarn×16"
-    table_text, _, _ = report.write_report([tmp_path / "runs"], tmp_path / "out")
+    table_text, _, _ = render.write_report([tmp_path / "runs"], tmp_path / "out")
     assert table_rows(table_text) == ["rope", "rope+yarn×16"], table_text
 
 
@@ -376,7 +376,7 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
         {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None,
          "yarn_ramp": "reference", "rotary_fraction": 1.0}]
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
     md = (root / "report.md").read_text()
     assert "`scheme.max_positions` = 512" in md and "`scheme.base` = 10000.0" in md, md
@@ -393,7 +393,7 @@ def test_each_evaluation_setting_is_its_own_table_never_one_cell(tmp_path):
             if name != "results":
                 cfg = config("rope", seed, **settings)
                 write_eval(run, cfg, rows_for(cfg, lambda n: offset + 10 + seed + n / 32), **extra)
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     tables = md_tables(table_text)
     titles = {title.split(". ", 1)[1]: rows["rope"] for title, _, rows in tables}
     v = "nonoverlapping, validation split, max_tokens="
@@ -418,7 +418,7 @@ def test_a_duplicate_record_is_skipped_with_its_reason(tmp_path):
     records, skipped = compare.collect([root])
     assert sorted(r["path"] for r in records) == sorted([str(again), str(root / "alibi0" / "results.json")])
     assert skipped == [f"{run / 'results.json'}: duplicate of {again}"], skipped
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     assert md_tables(table_text)[0][2]["rope"][0].startswith("99.00 "), table_text
     assert f"- {run / 'results.json'}: duplicate of {again}" in sections((root / "report.md").read_text())["Skipped"]
 
@@ -437,7 +437,7 @@ def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
     new_cfg["model"]["scale_embeddings"] = not was
     write_run(root / "new", new_cfg)
     write_run(root / "alibi", config("alibi", 0))  # format 2 without the key: the schema's default
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     label = "{}, model.scale_embeddings={}".format
     default = json.dumps(schema.ModelConfig().scale_embeddings)
     assert table_rows(table_text) == ["alibi", *(label("rope", json.dumps(v)) for v in sorted([was, not was]))], table_text
@@ -452,7 +452,7 @@ def test_cell_is_exp_mean_nll_and_ratio_is_each_rows_own(tmp_path):
         for scheme, grow in (("rope", 0.5), ("alibi", 0.0)):
             cfg = config(scheme, seed, lengths=[16, 32, 64, 128])
             write_run(root / f"{scheme}{seed}", cfg, rows=rows_for(cfg, lambda n: spread[seed] * (n / 32) ** grow))
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     (title, header, rows), = md_tables(table_text)
     assert title.endswith("lengths 16…128") and header == ["16", "32", "64", "128", "ppl(128)/ppl(32)", "seeds"], header
     assert rows["rope"][1].startswith(f"{20.0:.2f} ± {statistics.stdev(spread):.2f}"), rows["rope"]
@@ -464,7 +464,7 @@ def test_rows_and_seeds_are_ordered_as_numbers(tmp_path):
     for n_layer in (10, 2):
         for seed in (10, 2):
             write_run(root / f"l{n_layer}s{seed}", config("rope", seed, n_layer=n_layer))
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["rope, model.n_layer=2", "rope, model.n_layer=10"], table_text
     assert list(dict.fromkeys(r["setting"] for r in report_csv(root))) == ["rope, model.n_layer=2", "rope, model.n_layer=10"]
     assert "seeds [2, 10]" in (root / "report.md").read_text()
@@ -479,7 +479,7 @@ def test_welch_p_value_over_seeds_decides_the_stars(tmp_path):
         for seed, v in enumerate(nll):
             cfg = config(scheme, seed)
             write_run(root / f"{scheme}{seed}", cfg, rows=rows_for(cfg, lambda n: math.exp(v + n / 1000)))
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     (_, _, cells), = md_tables(table_text)
     by = {(r["setting"], int(r["length"])): r for r in report_csv(root)}
     for n in LENGTHS:
@@ -531,7 +531,7 @@ def test_single_seed_rows_get_a_paired_bootstrap_over_windows(tmp_path):
     old["model"]["scale_embeddings"] = True
     rec = json.loads(write_run(root / "learned", old, rows=rows_for(old, lambda n: 40.0)).joinpath("results.json").read_text())
     (root / "learned" / "results.json").write_text(json.dumps({**rec, "format": 1}))
-    table_text, _, _ = report.write_report([root], root)
+    table_text, _, _ = render.write_report([root], root)
     (title, _, cells), = md_tables(table_text)
     assert title.startswith("1. sliding (stride 16), validation split"), title
     by = {(r["setting"], int(r["length"])): r for r in report_csv(root)}
@@ -570,7 +570,7 @@ def test_plots_show_the_validation_split_and_the_largest_group(tmp_path, monkeyp
             run = write_run(root / f"{scheme}{seed}", config(scheme, seed))
     write_eval(run, config("rope", 1, split="test"), rows_for(config("rope", 1), lambda n: 500.0))
     write_eval(run, config("rope", 1, max_tokens=128), rows_for(config("rope", 1), lambda n: 600.0))
-    _, rows, _ = report.write_report([root], root)
+    _, rows, _ = render.write_report([root], root)
 
     expected = {s: (LENGTHS, [math.exp(statistics.fmean(math.log(fake_ppl(s, seed, n)) for seed in range(2))) for n in LENGTHS])
                 for s in ("alibi", "rope")}

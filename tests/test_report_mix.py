@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from posbench import compare, report, stats
+from posbench.report import compare, render, stats
 from test_report import config, legend_rows, md_tables, ok, posbench, report_csv, table_rows, window_rows, write_run
 
 MIX = Path(__file__).parent / "fixtures" / "report_mix"
@@ -118,7 +118,7 @@ def test_plots_keep_legends_off_the_axes_and_titles_apart(tmp_path, monkeypatch)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Tight layout not applied" and the like fail the test
-        report.write_report([MIX], tmp_path)
+        render.write_report([MIX], tmp_path)
     assert set(drawn) == {"ppl_vs_length", "loss_vs_position", "ppl_vs_finetune", "passkey_vs_distance", "passkey_heatmap"}
     for name, fig in drawn.items():
         inside = fig["figure"]
@@ -148,7 +148,7 @@ def test_a_verdict_the_numbers_do_not_tell_gets_a_footnote(tmp_path):
             write_run(tmp_path / f"{scheme}{seed}", cfg, rows=window_rows(cfg, f))
     records, _ = compare.collect([tmp_path])
     rows = compare.fold(records)
-    text = report.tables(rows, 32)
+    text = render.tables(rows, 32)
     (_, _, cells), = md_tables(text)
     by = {(r["setting"], r["length"]): r for r in rows}
     for k, n in enumerate((32, 64, 128)):

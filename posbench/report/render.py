@@ -1,22 +1,22 @@
-"""The report of many runs, rendered (docs/design.md §8): what posbench/compare.py computes, as files.
+"""The report of many runs, rendered (docs/design.md §8): what posbench/report/compare.py computes, as files.
 
 ``posbench report FOLDER...`` (and the end of every multirun) writes into a folder:
 
 * ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); a row per
-  scheme and per value of every other setting that differs between runs, labelled short (posbench/compare.py: the
+  scheme and per value of every other setting that differs between runs, labelled short (posbench/report/compare.py: the
   run label, and where rows share it the values that tell them apart, or ``#1``, ``#2`` … when those are long),
   with those settings in a legend table below it;
   columns = evaluation lengths, cells = exp(mean NLL over seeds) ± std over seeds of the per-seed perplexity, ★
-  where a cell is its column's reference (the best) or not significantly worse than it (posbench/stats.py), and
+  where a cell is its column's reference (the best) or not significantly worse than it (posbench/report/stats.py), and
   ppl(longest)/ppl(L); under it the reference of each column and the tests, and a numbered footnote for each cell
   whose verdict its printed number does not tell (no ★ at a number no higher than a ★ of its column, and those ★);
   the settings held fixed; skipped runs;
 * ``report.csv`` — the same numbers and tests, long format (``setting``: the full row; ``label``: its short label;
   ``reference``: the row each cell was tested against);
-* ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/plots.py), a panel per evaluation setting, and
+* ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/report/plots.py), a panel per evaluation setting, and
   ``ppl_vs_finetune.png`` when fine-tuned runs (``init_from``: ``ft512×200`` rows, with a column of train tokens)
   are among them, of the first table (validation split and the nonoverlapping protocol when present);
-* with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/retrieval.py),
+* with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/report/retrieval.py),
   ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (of the first probe table, P1);
 * with the context-use probe (``eval.probes=[context]``): a "Context use past L" table (posbench/context.py),
   ``context.csv`` and ``context_vs_length.png``.
@@ -30,7 +30,8 @@ import csv
 import logging
 from pathlib import Path
 
-from posbench import compare, context, plots, retrieval, stats
+from posbench import context
+from posbench.report import compare, plots, retrieval, stats
 from posbench.results import split_text
 
 log = logging.getLogger("posbench")
@@ -57,7 +58,7 @@ def _mark(r: dict) -> str:
 
 
 def puzzles(column: list[dict]) -> list[dict]:
-    """The cells of one column (:func:`posbench.stats.rank`-ed) whose verdicts their printed numbers do not tell: each
+    """The cells of one column (:func:`posbench.report.stats.rank`-ed) whose verdicts their printed numbers do not tell: each
     significantly worse cell that prints no higher than the reference or a tested ★ cell (equal numbers, or an order
     the stars reverse), and those tested ★ cells; in row order."""
     def shown(c):
@@ -75,7 +76,7 @@ def _footnote(mark: str, number: str | None) -> str:
 
 def _footnotes(sub: list[dict]) -> tuple[dict[tuple[str, int], str], list[str]]:
     """{(setting, length): superscript number} of one table's :func:`puzzles`, and their footnotes: each cell's
-    verdict against its column's reference, with the test and its statistic (posbench/stats.py ``reason``)."""
+    verdict against its column's reference, with the test and its statistic (posbench/report/stats.py ``reason``)."""
     odd = {id(c) for n in sorted({r["length"] for r in sub}) for c in puzzles([r for r in sub if r["length"] == n])}
     marks, lines = {}, []
     for c in (r for r in sub if id(r) in odd):
@@ -150,7 +151,7 @@ PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci
 
 
 def passkey_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
-    """The passkey probe's tables (posbench/retrieval.py), one per probe: rows × probe lengths, cells exact-match
+    """The passkey probe's tables (posbench/report/retrieval.py), one per probe: rows × probe lengths, cells exact-match
     accuracy with its Wilson 95% interval and ★ (the column's best ranked row, or not significantly worse by the
     paired test) or † (untested), the accuracy within L and the mean gain at the longest length; a row below the
     threshold within L is marked and not ranked past L. ``names``: {setting: a perplexity row (``label``,
@@ -259,7 +260,7 @@ def _write_csv(path: Path, columns: list[str], rows) -> None:
 
 
 def _draw(out: Path, records: list[dict], rows: list[dict], train_length: int, context_cells: list[dict]) -> dict[str, Path]:
-    """Every plot of the report into ``out`` (posbench/plots.py); return {name: path}."""
+    """Every plot of the report into ``out`` (posbench/report/plots.py); return {name: path}."""
     labels = compare.labels(records)
     numbers = sorted({r["table"] for r in rows})
     panels = [(f"{n}. {table_title(next(r for r in rows if r['table'] == n))}", [r for r in rows if r["table"] == n],
@@ -286,7 +287,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     """Collect, fold, write report.md / report.csv / passkey.csv / context.csv and the PNGs into ``out``; return
     (tables, rows, images).
 
-    Raises posbench.compare.ReportError when there is nothing to report."""
+    Raises posbench.report.compare.ReportError when there is nothing to report."""
     records, skipped = compare.collect(folders)
     for line in skipped:
         log.warning("skipped %s", line)

@@ -1,12 +1,12 @@
 """Many runs' records collected and compared: which records a report folds, how their settings differ, and the
-cells it shows (docs/design.md §8). posbench/report.py renders what this module computes.
+cells it shows (docs/design.md §8). posbench/report/render.py renders what this module computes.
 
 * :func:`collect` — every usable record under some folders (``results.json`` and ``eval-*.json``, written by
   posbench/results.py), each skipped one with its reason, and its row: the full ``setting``, a short ``label`` and
   the settings that tell rows apart (``differs``);
 * :func:`settings` — how the records' configs differ: the keys that label rows, the settings held fixed;
 * :func:`fold` — one row per (table, setting, evaluation length): exp(mean NLL over seeds) ± std over seeds, the
-  best cell of each column and the significance test against it (posbench/stats.py);
+  best cell of each column and the significance test against it (posbench/report/stats.py);
 * :func:`ppl_series`, :func:`position_curves` and :func:`labels` — what the report's plots and wandb draw.
 """
 
@@ -17,7 +17,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from posbench import stats
+from posbench.report import stats
 from posbench.results import READABLE, SUPERSEDED, run_label
 from posbench.upgrade import upgrade
 
@@ -234,7 +234,7 @@ def _preference(group: tuple, n_records: int) -> tuple:
 def fold(records: list[dict]) -> list[dict]:
     """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order, settings in row order.
     Each row: ``table``, ``setting``, ``label`` and ``differs`` (:func:`_dedupe`), the evaluation settings, ``length``,
-    and :func:`posbench.stats.summary` and :func:`posbench.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
+    and :func:`posbench.report.stats.summary` and :func:`posbench.report.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
     over seeds) (perplexity), ``ppl_std`` (std over seeds of the per-seed perplexity), ``nll_mean``/``nll_std``
     (nats/token), ``seeds``, ``best`` and the test against the best row of its table at that length
     (``reference``/``reference_label``: that row's setting and label; ``test``: welch | bootstrap | n/a | best,

@@ -1,5 +1,5 @@
-"""The report's plots, drawn from what they are given (posbench/compare.py and posbench/retrieval.py compute it,
-posbench/report.py calls the functions here):
+"""The report's plots, drawn from what they are given (posbench/report/compare.py and posbench/report/retrieval.py compute it,
+posbench/report/render.py calls the functions here):
 
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands, a
   panel per evaluation setting (the report's tables);
@@ -14,7 +14,7 @@ posbench/report.py calls the functions here):
 * ``context_vs_length.png`` (:func:`draw_context`, when runs measured context use) — the mean NLL difference past L
   (whole window − sliding window of L) against evaluation length, with its bootstrap interval.
 
-Every plot names its rows by their short labels (posbench/compare.py ``labels``: ``alibi #2``; report.md's legend
+Every plot names its rows by their short labels (posbench/report/compare.py ``labels``: ``alibi #2``; report.md's legend
 tables give their settings), gives each row one colour in every plot, and puts its legend below the axes, never over
 them. The first two mark the train length L. matplotlib is imported when a plot is drawn, so the rest of posbench
 starts without it.
@@ -97,7 +97,7 @@ def draw(out: Path, train_length: int, tables: list[tuple[str, list[dict], dict]
     Args:
         train_length: L, marked by a vertical line.
         tables: one (title, rows, curves) per evaluation setting, in the report's table order: ``title`` the setting in
-            words (``1. nonoverlapping, validation split, …``); ``rows`` its rows (``posbench.compare.fold``'s), each
+            words (``1. nonoverlapping, validation split, …``); ``rows`` its rows (``posbench.report.compare.fold``'s), each
             with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band; ``curves``
             {(setting, length): (1-based positions, NLL in nats/token)}: a line each.
         labels: {setting: short label} of every row, in the order that gives each its colour.

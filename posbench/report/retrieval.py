@@ -1,5 +1,5 @@
 """The passkey probe's results across runs: accuracy cells, the validity rule and the paired test (docs/design.md
-§6.4 and §8). posbench/report.py renders them beside the perplexity tables; posbench/passkey.py makes the trials.
+§6.4 and §8). posbench/report/render.py renders them beside the perplexity tables; posbench/passkey.py makes the trials.
 
 * :func:`cells` — one table per probe (its split, seed, key length, key vocabulary, marker and depths: records of
   other probes scored other windows and are never pooled); per row label and probe length: exact-match accuracy
@@ -17,7 +17,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from posbench import stats
+from posbench.report import stats
 
 KEY_KINDS = {"digits": "digits", "frequent": "frequent words", "reserved": "tokens absent from training"}  # in words
 DISTANCE_BINS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # needle-to-query distance in units of L
