@@ -165,7 +165,7 @@ class ReportCallback(Callback):
         try:
             table_text, rows, images = render.write_report([sweep], sweep)
         except compare.ReportError as e:
-            report.log.warning("no report: %s", e)
+            render.log.warning("no report: %s", e)
             return
         print(f"\n{table_text}\n\nreport: {sweep / 'report.md'}", flush=True)
         tracker = Tracker.from_config(config, sweep, "report", name="report", sweep_dir=sweep)
