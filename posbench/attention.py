@@ -267,7 +267,8 @@ def _contextual(q, k, v, ctx: Context) -> torch.Tensor:
     """softmax(q·kᵀ/√Dh + ``ctx.scheme.contextual_bias``, later keys masked) · v, per query block [s, e) against
     keys 0…e−1 (:func:`_contextual_block`)."""
     B, H, T, Dh = q.shape
-    out = [_contextual_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], s, ctx) for s, e in contextual_blocks(B, H, T, q.device.type)]
+    blocks = contextual_blocks(B, H, T, q.device.type)
+    out = [_contextual_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], s, ctx) for s, e in blocks]
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from posbench.corpora import file_sha256
 from posbench.config import ConfigError
+from posbench.corpora import file_sha256
 from posbench.upgrade import model_section, scheme_section, upgrade
 
 FORMAT = 3  # 3: a scheme records its own options only, and the spec; 2: model.scale_embeddings; 1 and 2 are still read
@@ -149,7 +149,7 @@ def read(path: Path, device="cpu") -> dict:
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
     try:
         state = torch.load(path, map_location=device, weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many kinds for a damaged or foreign file
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a damaged or foreign file
         raise ValueError(f"{str(path)!r} is not a readable posbench checkpoint ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("format") not in READABLE:
         found = state.get("format") if isinstance(state, dict) else None

@@ -36,11 +36,11 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from posbench import dist, eval_job, flex, gpus, jobs, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
-from posbench.report import compare, render  # noqa: E402
 from posbench.checkpoint import CheckpointError  # noqa: E402
 from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
 from posbench.jobs import CONFIG_MODULE, writable  # noqa: E402
+from posbench.report import compare, render  # noqa: E402
 from posbench.schemes import SCHEMES  # noqa: E402
 from posbench.signals import EXIT_INTERRUPTED  # noqa: E402
 from posbench.tracking import Tracker  # noqa: E402

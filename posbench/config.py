@@ -25,8 +25,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from posbench import config_checks as checks
 from posbench import context, passkey
 from posbench.attention import ATTN_SCALES
-from posbench.config_checks import (ConfigError, check_choices, check_device, check_keys, choices,  # noqa: F401
-                                    compile_default, longest_length)  # (importers' names: posbench.config's)
+from posbench.config_checks import (  # noqa: F401
+    ConfigError,
+    check_choices,
+    check_device,
+    check_keys,
+    choices,
+    compile_default,  # (importers' names: posbench.config's)
+    longest_length,
+)
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluate.py

@@ -27,7 +27,8 @@ import importlib.util
 import json
 import re
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, files as dist_files
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import files as dist_files
 from pathlib import Path
 from typing import Callable, Optional
 

@@ -27,8 +27,7 @@ from typing import Optional
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posbench.corpora import (FILE_CORPORA, HUB_CORPORA, SPLITS, DataError, check_utf8, file_sha256, hub_identity,
-                              load_hub_corpus)
+from posbench.corpora import FILE_CORPORA, HUB_CORPORA, SPLITS, DataError, check_utf8, file_sha256, hub_identity, load_hub_corpus
 
 CACHE_VERSION = 1  # bump when the tokenization below changes
 EOS = "<|endoftext|>"  # appended after every document

@@ -29,8 +29,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from posbench import build, checkpoint, context, data, dist, passkey, results
-from posbench.config import (ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize,
-                             scheme_schema, to_dict)
+from posbench.config import ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize, scheme_schema, to_dict
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.inputs import needle_of, prepare_data
@@ -188,7 +187,7 @@ def _changed_scheme(scheme: DictConfig, given: dict, run: str) -> DictConfig:
                               f"{key!r}; its options: {', '.join(allowed) or 'none'}")
     try:
         return OmegaConf.merge(OmegaConf.structured(scheme_schema(name)), scheme, given)
-    except Exception as e:  # OmegaConf's validation errors
+    except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors, of many kinds
         key = getattr(e, "full_key", None) or next(iter(given))
         raise ConfigError(f"scheme.{key}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}") from None
 

@@ -145,7 +145,8 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, lengths: list[int], pro
                 y = torch.stack([stream[wins[i][0] + 1: wins[i][0] + size + 1] for i in chunk]).to(device)  # (B, T)
                 with flush_denormals(device):
                     nll = model(x, targets=y)  # (B, T), nats
-                scored = torch.arange(size, device=device)[None, :] >= torch.tensor([wins[i][2] for i in chunk], device=device)[:, None]
+                first = torch.tensor([wins[i][2] for i in chunk], device=device)  # (B,): each window's first scored
+                scored = torch.arange(size, device=device)[None, :] >= first[:, None]
                 masked = (nll * scored).double().cpu()  # (B, T)
                 pos_sum[:size] += masked.sum(0)
                 pos_count[:size] += scored.sum(0).double().cpu()

@@ -26,7 +26,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import MissingConfigException
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -80,7 +80,7 @@ def check_eval_overrides(overrides: list[str]) -> None:
     Hydra cannot parse is left to composition, which names it."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # (Hydra's OverrideParseException)
+    except OverrideParseException:  # (composition names it)
         return
     for o in parsed:
         group = o.key_or_group.split("@")[0]
@@ -112,7 +112,7 @@ def inherit(overrides: list[str]) -> None:
     store.repo.get("scheme", {}).pop(f"{PARENT_SCHEME}.yaml", None)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # (Hydra's OverrideParseException: composition names it)
+    except OverrideParseException:  # (composition names it)
         return
     paths = [str(v) for o in parsed if o.key_or_group == "init_from" and not o.is_delete()
              for v in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()])
@@ -256,7 +256,7 @@ def prepare_all(argv: list[str], config_name: str) -> None:
                 PREPARED[key], HELD[key] = prepared, held
     except (ConfigError, DataError, runlock.FolderInUse) as e:
         message = str(e)
-    except Exception as e:  # Hydra / OmegaConf composition errors
+    except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors, of many kinds
         message = one_line(e)
     refused = [m for m in dist.gather(message) if m]  # torchrun: a rank's own refusal (its memory, its GPU) stops all
     if refused:

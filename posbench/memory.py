@@ -44,7 +44,8 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_byt
     """The estimated peak memory, in bytes, of one training step (forward, loss, backward, AdamW step) or, with
     ``training=False``, of one evaluation forward pass of the model ``spec`` describes, on a batch of
     ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) on ``device`` (the
-    logits and the contextual kernel's blocks depend on it: None counts CUDA's logits, the larger, and CPU blocks). See the module docstring for what each part counts.
+    logits and the contextual kernel's blocks depend on it: None counts CUDA's logits, the larger, and CPU blocks).
+    docs/design.md §5.7 says what each part counts.
     Returns {"weights", "optimizer", "activations", "attention", "logits", "total"} in bytes."""
     m = _model_sizes(spec)
     params = parameter_count(spec, seq_len)

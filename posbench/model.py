@@ -127,7 +127,8 @@ class GPT(nn.Module):
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
             GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
         attn_scale: length-dependent attention scaling (``attention.ATTN_SCALES``), a factor on each query, so on its
-            logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are), n = t + 1 the keys query t of a window sees
+            logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are),
+            n = t + 1 the keys query t of a window sees
             (causal by index, whatever the positions):
             ``none``: 1 (the model as before, bit for bit);
             ``log_n``: ln n / ln L, L = ``scale_length`` (Chiang & Cholak 2022, "Overcoming a theoretical

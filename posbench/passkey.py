@@ -19,14 +19,12 @@ is probed on the same windows, and cells pair across schemes. The same needle fo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-
 
 KEYS = {"digits": 10, "frequent": 100, "reserved": 100}  # eval.passkey.keys → its default key vocabulary size
 
@@ -220,7 +218,8 @@ def window(tokens: np.ndarray, needle: Needle, trial: Trial, control: bool = Fal
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu", batch_tokens: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu",
+          batch_tokens: int = 16384) -> tuple[np.ndarray, np.ndarray]:
     """Score the last k tokens of each window teacher-forced. windows: (N, T) int64 → (exact match (N,) bool: every
     one of the k tokens is the argmax of the logits before it; log-probability (N,) float64: the mean over the k
     tokens, nats). ``model(x, last=k)`` gives the logits of the last k positions only (posbench/model.py's GPT)."""

@@ -96,9 +96,9 @@ class Tracker:
 
         xs = sorted({x for x_list, _ in series.values() for x in x_list})
         ys = [[dict(zip(x_list, y_list)).get(x, float("nan")) for x in xs] for x_list, y_list in series.values()]
-        self._log({"report/ppl_vs_length": wandb.plot.line_series(xs=xs, ys=ys, keys=list(series),
-                                                                  title="Perplexity vs evaluation length", xname="evaluation length"),
-                   **{f"report/{k}": wandb.Image(str(p)) for k, p in images.items()}})
+        chart = wandb.plot.line_series(xs=xs, ys=ys, keys=list(series), title="Perplexity vs evaluation length",
+                                       xname="evaluation length")
+        self._log({"report/ppl_vs_length": chart, **{f"report/{k}": wandb.Image(str(p)) for k, p in images.items()}})
 
     def log_probe(self, probe: dict | None) -> None:
         """A results record's passkey probe (``passkey``: posbench/passkey.py), as run-summary values

@@ -2,7 +2,8 @@
 
 ``train(job)`` runs a prepared job (posbench/train_job.py) in its run folder: set up the process → build the model
 from the job's spec → AdamW with linear warmup, then cosine decay or a constant rate (``train.schedule``) → the
-training steps (:class:`Loop`) with training states (posbench/training_state.py) → perplexity at every evaluation length → ``checkpoint.pt``, ``results.json``
+training steps (:class:`Loop`) with training states (posbench/training_state.py) → perplexity at every evaluation
+length → ``checkpoint.pt``, ``results.json``
 and ``results.csv``. Batches are random crops of L + 1 tokens from the train memmap; batch i is a pure function of
 (seed, i, rank), and the learning rate a pure function of the step, so a run resumed from a training state
 (``resume=auto``, the default) sees the same batches and, on CPU with the same thread count, produces
@@ -25,17 +26,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from posbench import build, checkpoint, context, dist, lineage, passkey, results
 from posbench.batches import copy_rate, get_batch, random_positions
 from posbench.config import to_dict
-from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.device import resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.optim import Forward, lr_factor, make_optimizer
+from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.tracking import Tracker
 from posbench.train_job import TrainJob
 from posbench.training_state import Progress, TrainingStates, probe_curve

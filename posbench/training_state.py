@@ -125,7 +125,8 @@ class TrainingStates:
               fresh: bool) -> Progress:
         """Load ``state`` (from :func:`resume_state`) into ``model``, ``optimizer`` and this rank's generators, or,
         with none, start at step 0; ``fresh`` (``resume=never``) first removes the folder's old states (rank 0), so
-        that they never outrank the new ones, and sets the old model's outputs aside (:func:`set_aside`). A rank the state has no generator state for (states from before
+        that they never outrank the new ones, and sets the old model's outputs aside (:func:`set_aside`). A rank the
+        state has no generator state for (states from before
         per-rank streams hold rank 0's only; a larger world size) keeps the stream it has."""
         if fresh and dist.rank() == 0:
             for old in (self.out_dir / checkpoint.STATES).glob("step-*"):

@@ -89,5 +89,5 @@ def upgrade(config: dict, fmt: int | None = None) -> dict:
         base = OmegaConf.structured(PosbenchConfig)
         base.scheme = OmegaConf.structured(scheme_schema(scheme["name"]))
         return to_dict(OmegaConf.merge(base, config))
-    except Exception as e:  # OmegaConf's validation errors
+    except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors, of many kinds
         raise ConfigError(f"a recorded config does not fit this posbench's schema: {str(e).splitlines()[0]}") from None

@@ -30,7 +30,8 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes.
 
 ``×nope``: a scheme's median step time over nope's; the median of its forward times over nope's, each over the
-nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise). Only ratios compare across machines (machines of
+nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise).
+Only ratios compare across machines (machines of
 one kind here differ 2× in speed). Targets (CPU fp32, model=tiny, 2 threads), printed ✓/✗ and in the JSON:
 every bias scheme's evaluation at 16L and 64L ≤ 1.5× nope's time and ≤ 2× nope's memory growth (a contextual
 scheme, CoPE, whose kernel materialises every (query, key) score by definition: ≤ 3× both); every scheme's train
@@ -73,9 +74,9 @@ import torch
 import torch._dynamo
 
 import posbench
+from posbench.attention import ATTN_SCALES
 from posbench.build import build_model
 from posbench.evaluate import flush_denormals
-from posbench.attention import ATTN_SCALES
 from posbench.schemes import SCHEMES, PositionalScheme
 
 BASELINE = "nope"  # causal SDPA, no positions

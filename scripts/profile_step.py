@@ -5,7 +5,8 @@
 
 The step is posbench/train.py's (``get_batch`` on random tokens, forward with the loss, backward, gradient clipping,
 AdamW from ``make_optimizer``) after two untimed steps, under ``torch.profiler`` for ``--steps`` steps; the evaluation
-is one no-grad forward of batch 1 at ``--eval-length``, denormals flushed as ``posbench.evaluate`` does. Each op's own CPU time (``self_cpu_time``) is put in a part:
+is one no-grad forward of batch 1 at ``--eval-length``, denormals flushed as ``posbench.evaluate`` does. Each op's
+own CPU time (``self_cpu_time``) is put in a part:
 
 * data: the batch (``get_batch``); optimizer: clipping and ``AdamW.step``;
 * attention: SDPA, FlexAttention and everything the attention kernels run (a bias's masks and tables included),
@@ -33,12 +34,12 @@ from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from posbench import attention
+from posbench.batches import get_batch
 from posbench.build import build_model
 from posbench.config import TrainConfig
 from posbench.evaluate import flush_denormals
-from posbench.schemes import SCHEMES
-from posbench.batches import get_batch
 from posbench.optim import make_optimizer
+from posbench.schemes import SCHEMES
 
 
 def parse(argv=None) -> argparse.Namespace:

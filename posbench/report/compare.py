@@ -79,7 +79,8 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                     for r in records if origin_length(r) != common]
         records = [r for r in records if origin_length(r) == common]
     if not records:
-        raise ReportError(f"no results in {', '.join(map(str, folders))}" + (f" ({len(skipped)} runs skipped)" if skipped else ""))
+        also = f" ({len(skipped)} runs skipped)" if skipped else ""
+        raise ReportError(f"no results in {', '.join(map(str, folders))}{also}")
     return _dedupe(records, skipped)
 
 
@@ -173,7 +174,8 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     """How the records' configs differ (values as JSON text). Returns
 
     * label keys per run label (:func:`label_of`: ``rope``, ``rope+yarn×16``, ``rope+yarn×4 ft512×200``):
-      the scheme's own keys (``scheme.*``) that differ between its runs, then every other key with more than one value across all records (not seeds, evaluation
+      the scheme's own keys (``scheme.*``) that differ between its runs, then every other key with more than one
+      value across all records (not seeds, evaluation
       or bookkeeping keys: :data:`IGNORED`; not the tricks every label states: :data:`TRICK_KEYS`; for a fine-tuned
       run's label, not what it states: :data:`FT_KEYS`);
     * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or

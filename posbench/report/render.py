@@ -306,7 +306,8 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
     table_text = tables(rows, train_length)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
-                ("Scheme settings", [f"{name}: " + ", ".join(f"`{k}` = {v}" for k, v in vals.items()) for name, vals in per_scheme.items()]),
+                ("Scheme settings", [f"{name}: " + ", ".join(f"`{k}` = {v}" for k, v in vals.items())
+                                     for name, vals in per_scheme.items()]),
                 ("Settings that differ but do not split rows (bookkeeping; evaluation settings are in the table titles)",
                  [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
                 ("Skipped", skipped)]

@@ -110,7 +110,8 @@ class Learned(PositionalScheme):
             if rows == "scheme":
                 new[: old.shape[0]].copy_(old)
             else:  # interpolate (config.INIT_ROWS: nothing else reaches here)
-                x = torch.arange(min(new_length, new.shape[0]), dtype=torch.float64, device=old.device) * trained_length / new_length  # (L',)
+                rows = torch.arange(min(new_length, new.shape[0]), dtype=torch.float64, device=old.device)  # (L',)
+                x = rows * trained_length / new_length  # (L',)
                 low = x.floor().long().clamp(max=trained_length - 1)
                 high = (low + 1).clamp(max=trained_length - 1)
                 w = (x - low).to(old.dtype)[:, None]  # (L', 1)
