@@ -1,25 +1,11 @@
 """The report of many runs, rendered (docs/design.md §8): what posbench/report/compare.py computes, as files.
 
-``posbench report FOLDER...`` (and the end of every multirun) writes into a folder:
-
-* ``report.md`` — one table per evaluation setting (protocol, stride, split, token budget, lengths); a row per
-  scheme and per value of every other setting that differs between runs, labelled short (posbench/report/compare.py: the
-  run label, and where rows share it the values that tell them apart, or ``#1``, ``#2`` … when those are long),
-  with those settings in a legend table below it;
-  columns = evaluation lengths, cells = exp(mean NLL over seeds) ± std over seeds of the per-seed perplexity, ★
-  where a cell is its column's reference (the best) or not significantly worse than it (posbench/report/stats.py), and
-  ppl(longest)/ppl(L); under it the reference of each column and the tests, and a numbered footnote for each cell
-  whose verdict its printed number does not tell (no ★ at a number no higher than a ★ of its column, and those ★);
-  the settings held fixed; skipped runs;
-* ``report.csv`` — the same numbers and tests, long format (``setting``: the full row; ``label``: its short label;
-  ``reference``: the row each cell was tested against);
-* ``ppl_vs_length.png`` and ``loss_vs_position.png`` (posbench/report/plots.py), a panel per evaluation setting, and
-  ``ppl_vs_finetune.png`` when fine-tuned runs (``init_from``: ``ft512×200`` rows, with a column of train tokens)
-  are among them, of the first table (validation split and the nonoverlapping protocol when present);
-* with passkey probes (``eval.probes=[passkey]``): a retrieval table in ``report.md`` (posbench/report/retrieval.py),
-  ``passkey.csv``, ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (of the first probe table, P1);
-* with the context-use probe (``eval.probes=[context]``): a "Context use past L" table (posbench/context.py),
-  ``context.csv`` and ``context_vs_length.png``.
+``posbench report FOLDER...`` (and the end of every multirun) writes into a folder ``report.md`` (a table per
+evaluation setting, rows labelled short with a legend table of the settings that differ, ★ against each column's
+reference with the tests named and a footnote where a printed number does not tell its verdict; the probes' tables;
+the settings held fixed; skipped runs), ``report.csv`` (the same numbers and tests, long format, with the full
+``setting`` beside each short ``label``), ``passkey.csv`` and ``context.csv`` with the probes, and the plots of
+posbench/report/plots.py (:func:`_draw`).
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -293,7 +279,6 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
         log.warning("skipped %s", line)
     rows = compare.fold(records)
     train_length = compare.origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
-    _, fixed, varying, per_scheme = compare.settings(records)
     out.mkdir(parents=True, exist_ok=True)
     names = {r["setting"]: r for r in rows}
     _write_csv(out / "report.csv", REPORT_COLUMNS, ({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows))
@@ -303,15 +288,25 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     if context_cells:
         _write_csv(out / "context.csv", CONTEXT_COLUMNS, ({**c, "label": names[c["setting"]]["label"]} for c in context_cells))
     images = _draw(out, records, rows, train_length, context_cells)
+    (out / "report.md").write_text(render_markdown(records, rows, skipped, set(images), probe_cells, context_cells))
+    return tables(rows, train_length), rows, images
+
+
+def render_markdown(records: list[dict], rows: list[dict], skipped: list[str], images: set[str], probe_cells: list[dict],
+                    context_cells: list[dict]) -> str:
+    """report.md's text, from what :func:`write_report` gathered (the records, their folded ``rows``, the ``skipped``
+    lines, the names of the images drawn, the probes' cells); it reads and writes nothing."""
+    train_length = compare.origin_length(records[0])
+    _, fixed, varying, per_scheme = compare.settings(records)
+    names = {r["setting"]: r for r in rows}
     seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
-    table_text = tables(rows, train_length)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
                 ("Scheme settings", [f"{name}: " + ", ".join(f"`{k}` = {v}" for k, v in vals.items())
                                      for name, vals in per_scheme.items()]),
                 ("Settings that differ but do not split rows (bookkeeping; evaluation settings are in the table titles)",
                  [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
                 ("Skipped", skipped)]
-    text = (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
+    return (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
             + ("Fine-tuned runs (started from a parent's weights, `init_from`) are labelled `ft<length>×<steps>`; L is "
                "that of the first run of their line (the parent's), and their budget is in the tokens column.\n\n"
                if "ppl_vs_finetune" in images else "")
@@ -323,7 +318,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
             "per-seed perplexity; ★ marks, in each column, the reference (the lowest mean NLL) and the cells not "
             "significantly worse than it (the references and tests are named under each table; a numbered cell's "
             "test is written out below it).\n\n"
-            f"{table_text}\n\n![ppl vs length, a panel per table](ppl_vs_length.png)\n"
+            f"{tables(rows, train_length)}\n\n![ppl vs length, a panel per table](ppl_vs_length.png)\n"
             "![loss vs position, a panel per table](loss_vs_position.png)\n"
             + ("![ppl vs fine-tuning tokens](ppl_vs_finetune.png)\n" if "ppl_vs_finetune" in images else "")
             + (f"\n## Passkey retrieval (eval.probes=[passkey])\n\n{passkey_tables(probe_cells, names)}\n\n"
@@ -334,5 +329,3 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
                "![context use vs length](context_vs_length.png)\n" if context_cells else "")
             + "".join(f"\n## {head}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" for head, lines in sections
                       if lines or head == "Settings held fixed"))
-    (out / "report.md").write_text(text)
-    return table_text, rows, images
