@@ -1,7 +1,9 @@
-"""Shared test setup: no network, no wandb, one data cache for the whole session, a CLI runner.
+"""Shared test setup: no network, no wandb, one data cache for the whole session, a CLI runner in a subprocess and
+one in this process.
 
 The environment is set at import time, before any test module imports posbench (whose CLI only
 *defaults* these variables), so nothing in a test run can reach the Hugging Face Hub or wandb.
+What test modules share besides fixtures is in tests/helpers.py.
 """
 
 from __future__ import annotations
@@ -20,26 +22,26 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CLI_TIMEOUT_S = 300  # a subprocess that runs past this is a hang (or a bad input that started full training)
+from helpers import CLI_TIMEOUT_S, cli_env, kept_torch_state, posbench  # noqa: E402,F401  (re-exported: CLI_TIMEOUT_S, cli_env)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "install: builds a non-editable install into a fresh venv (offline, ~20 s)")
 
 
-def cli_env(**extra: str) -> dict:
-    """The environment of every posbench subprocess: offline, wandb off, no source tree on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
-    """One posbench data cache for the session: the embedded corpus's tokenizer is trained once (~7 s)."""
-    return tmp_path_factory.mktemp("posbench-cache")
+    """One posbench data cache for the session, prepared here in process on first use (the embedded corpus's
+    tokenizer is trained once, ~7 s), so runs started side by side find it ready. Its folder is the session's
+    ``posbench-data``, the one torchrun and submitit jobs are given too."""
+    from helpers import compose_train
+    from posbench import data
+    from posbench.config import to_dict
+
+    root = tmp_path_factory.getbasetemp() / "posbench-data"
+    root.mkdir(exist_ok=True)
+    data.prepare(**to_dict(compose_train(root))["data"])
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +54,67 @@ def run_cli(data_cache, tmp_path_factory):
     scratch = tmp_path_factory.mktemp("cli-cwd")
 
     def run(*args: str, cwd: Path | None = None, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd or scratch,
-                              env=cli_env(POSBENCH_CACHE=str(data_cache)), capture_output=True, text=True,
-                              timeout=timeout)
+        return posbench(*args, cwd=cwd or scratch, env=cli_env(POSBENCH_CACHE=str(data_cache)), timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def posbench_here(data_cache, tmp_path_factory, monkeypatch, capsys):
+    """``posbench_here(*args)`` → CompletedProcess of ``posbench *args`` run in this process by ``posbench.cli.main``
+    (exit status from its SystemExit, stdout and stderr as captured), for the refusals that come before Hydra starts
+    a job: every job of the command line is composed and prepared first (``posbench.jobs.prepare_all``), and a bad
+    one stops the command there with its one line and exit status 2. Hydra's job itself is replaced by a line
+    saying it started, so a command that is not refused exits 0 without training, and ``helpers.refused`` fails
+    on it. Milliseconds instead of a subprocess's seconds of start-up: one subprocess test per kind of refusal
+    keeps the process-level contract (no traceback, nothing else on stderr).
+
+    Runs in a scratch working directory with ``POSBENCH_CACHE`` at the session cache, and without the datasets
+    library's progress bars (as in a posbench process whose stderr is not a terminal); the environment, sys.argv,
+    the progress bars, the folder locks taken and the parent options put into Hydra's ConfigStore are put back
+    afterwards.
+    """
+    import datasets
+
+    from posbench import cli, gpus, jobs, runlock
+
+    held_before = set(runlock.HELD)
+    monkeypatch.chdir(tmp_path_factory.mktemp("here-cwd"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("POSBENCH_CACHE", str(data_cache))
+    for name in ("POSBENCH_RUN_STAMP", "POSBENCH_SWEPT", gpus.LOCK_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def started(command):
+        def task():
+            print(f"posbench-test: Hydra started the {command} job: nothing refused the command line before it",
+                  file=sys.stderr)
+        return task
+
+    for command, (_, config_name) in list(cli.COMMANDS.items()):
+        monkeypatch.setitem(cli.COMMANDS, command, (started(command), config_name))
+
+    def run(*args) -> subprocess.CompletedProcess:
+        argv = [str(a) for a in args]
+        capsys.readouterr()
+        try:
+            cli.main(argv)
+            status = 0
+        except SystemExit as e:
+            status = 0 if e.code is None else e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["posbench", *argv], status, out, err)
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    yield run
+    if bars:
+        datasets.enable_progress_bars()
+    for folder in set(runlock.HELD) - held_before:
+        runlock.release(folder)
+    jobs.PREPARED.clear()
+    jobs.HELD.clear()
+    jobs.inherit([])  # drops the parent options an init_from command line stored in Hydra's ConfigStore
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +138,5 @@ def existing_run(trained_run, tmp_path) -> Path:
 @pytest.fixture
 def torch_state():
     """train() in process sets threads, deterministic mode and the RNG: put them back afterwards."""
-    import torch
-
-    threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(det)
-    torch.set_rng_state(rng)
+    with kept_torch_state():
+        yield

@@ -19,10 +19,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from helpers import paper_bias, refused, run_into, snapshot, train_here
 from naive_gpt import naive_logits
 from posbench.build import build_model
-from test_refusals import refused, run_into, snapshot
-from test_relative import paper_bias
 
 VOCAB, H, D, L = 61, 4, 32, 16
 ALIBI_SLOPES = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3: H a power of two
@@ -119,8 +118,9 @@ def test_none_adds_no_parameter_and_no_factor():
 
 
 def test_ssmax_starts_at_its_documented_value_and_is_not_decayed():
-    from posbench.optim import make_optimizer
     from omegaconf import OmegaConf
+
+    from posbench.optim import make_optimizer
 
     torch.manual_seed(0)
     model = build_model({"vocab_size": VOCAB, "model": {"n_layer": 2, "n_head": H, "d_model": D, "d_ff": 2 * D,
@@ -140,17 +140,19 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("overrides,message", REFUSALS)
-def test_bad_scaling_is_refused_and_nothing_written(overrides, message, run_cli, data_cache, existing_run):
+def test_bad_scaling_is_refused_and_nothing_written(overrides, message, posbench_here, data_cache, existing_run):
     before = snapshot(existing_run)
     import re
-    assert re.search(message, refused(run_into(run_cli, data_cache, existing_run, *overrides), existing_run, before))
+    assert re.search(message, refused(run_into(posbench_here, data_cache, existing_run, *overrides), existing_run, before))
 
 
 @pytest.mark.parametrize("attn_scale", ["log_n", "ssmax"])
-def test_a_scaled_run_from_the_command_line(attn_scale, run_cli, data_cache, tmp_path):
+def test_a_scaled_run_from_the_command_line(attn_scale, posbench_here, data_cache, tmp_path, torch_state):
+    """The command line's options pass posbench's checks, and its job (trained in this process) records them."""
     run = tmp_path / attn_scale
-    proc = run_into(run_cli, data_cache, run, "scheme=alibi", f"model.attn_scale={attn_scale}")
+    proc = run_into(posbench_here, data_cache, run, "scheme=alibi", f"model.attn_scale={attn_scale}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_here(data_cache, run, "scheme=alibi", f"model.attn_scale={attn_scale}")["status"] == "complete"
     config = json.loads((run / "results.json").read_text())["config"]
     assert config["model"]["attn_scale"] == attn_scale
     assert config["model"]["scale_length"] == (config["train"]["seq_len"] if attn_scale == "log_n" else None)

@@ -1,14 +1,15 @@
-"""The ``posbench train`` command in a subprocess: a tiny end-to-end run, and bad inputs that must stop with
-one line on stderr, exit status 2, no traceback, and nothing created or touched in an existing run folder.
+"""The ``posbench train`` command: a tiny end-to-end run, and bad inputs that must stop with one line on stderr,
+exit status 2, no traceback, and nothing created or touched in an existing run folder.
 
-Every command carries ``debug=fast`` so that a bad input the CLI fails to reject costs a few seconds of
-training, not the full default run.
+Bad inputs are checked in this process (conftest's ``posbench_here``: the CLI's ``main`` up to where Hydra would
+start the job); a subprocess checks one of each kind (a bad value, a composition error, unusable data, a sweep) for
+what only a real process shows. Every command carries ``debug=fast`` so that a bad input the CLI fails to reject
+costs a few seconds of training, not the full default run.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import math
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import PREFIX, refused, snapshot
 from posbench.schemes import SCHEMES
 
 # ---- a good run -----------------------------------------------------------------------------------
@@ -56,16 +58,6 @@ def test_checkpoint_reproduces_reported_perplexity(trained_run):
 
 
 # ---- bad inputs -----------------------------------------------------------------------------------
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file and folder under ``folder``: relative path → (mtime_ns, size, sha256 of files)."""
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        st = p.stat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        out[str(p.relative_to(folder))] = (st.st_mtime_ns, st.st_size if p.is_file() else 0, digest)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -118,43 +110,42 @@ TEXT_BAD = {
 
 
 def check_rejected(proc, check, before, run_dir):
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, f"exit status {proc.returncode}\n{out[-3000:]}"
-    assert "Traceback" not in out, out[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, f"stderr is not one line:\n{proc.stderr}"
-    assert lines[0].startswith("posbench: error: "), lines[0]
-    message = lines[0][len("posbench: error: "):]
+    refused(proc, run_dir, before)  # exit 2, no traceback, one line "posbench: error: ...", the folder untouched
+    message = proc.stderr.strip().splitlines()[0][len(PREFIX):]
     assert check(message), f"unexpected message: {message!r}"
-    after = snapshot(run_dir)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert not changed, f"the bad command created or touched in the run folder: {changed}"
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_is_one_line_exit_2_and_leaves_run_folder_alone(case, run_cli, trained_run, data_cache):
+def test_bad_input_is_one_line_exit_2_and_leaves_run_folder_alone(case, posbench_here, trained_run, data_cache):
     overrides, check = BAD[case]
     before = snapshot(trained_run)
-    proc = run_cli("train", "debug=fast", *overrides, f"hydra.run.dir={trained_run}", f"data.cache_dir={data_cache}")
+    proc = posbench_here("train", "debug=fast", *overrides, f"hydra.run.dir={trained_run}", f"data.cache_dir={data_cache}")
     check_rejected(proc, check, before, trained_run)
 
 
 @pytest.mark.parametrize("case", list(TEXT_BAD))
-def test_bad_text_data_is_one_line_exit_2_and_leaves_run_folder_alone(case, run_cli, trained_run, data_cache, text_data):
+def test_bad_text_data_is_one_line_exit_2_and_leaves_run_folder_alone(case, posbench_here, trained_run, data_cache,
+                                                                       text_data):
     options, check = TEXT_BAD[case]
     before = snapshot(trained_run)
-    proc = run_cli("train", "debug=fast", *bad_text(text_data, **options), f"hydra.run.dir={trained_run}",
-                   f"data.cache_dir={data_cache}")
+    proc = posbench_here("train", "debug=fast", *bad_text(text_data, **options), f"hydra.run.dir={trained_run}",
+                         f"data.cache_dir={data_cache}")
     check_rejected(proc, lambda m: check(m, text_data), before, trained_run)
 
 
-@pytest.mark.parametrize("kind", ["config-error", "data-error"])
+@pytest.mark.parametrize("kind", ["config-error", "composition-error", "data-error"])
 def test_bad_input_creates_no_run_folder(kind, run_cli, data_cache, text_data, tmp_path):
-    overrides = ["model.n_head=3"] if kind == "config-error" else bad_text(text_data, split_file="missing.txt")
+    """In a real process, one bad input of each kind: a value the checks refuse, a key Hydra cannot compose, data
+    that cannot be read. Nothing but the line on stderr, and no run folder made."""
+    overrides = {"config-error": ["model.n_head=3"], "composition-error": ["train.seqlen=64"],
+                 "data-error": bad_text(text_data, split_file="missing.txt")}[kind]
     run_dir = tmp_path / "never"
     proc = run_cli("train", "debug=fast", *overrides, f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
     assert proc.returncode == 2, proc.stderr
     assert not run_dir.exists(), f"a failed start left {sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob('*'))}"
+    check = {"config-error": BAD["heads-do-not-divide"][1], "composition-error": BAD["unknown-key"][1],
+             "data-error": lambda m: TEXT_BAD["text-missing-file"][1](m, text_data)}[kind]
+    check_rejected(proc, check, {}, run_dir)
 
 
 def test_sweep_with_one_bad_job_starts_nothing(run_cli, data_cache, tmp_path):
@@ -167,11 +158,11 @@ def test_sweep_with_one_bad_job_starts_nothing(run_cli, data_cache, tmp_path):
     assert not sweep.exists()
 
 
-def test_unknown_command_and_help(run_cli):
-    proc = run_cli("trian")
+def test_unknown_command_and_help(posbench_here):
+    proc = posbench_here("trian")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "'trian'" in proc.stderr and "train" in proc.stderr
-    proc = run_cli("--help")
+    proc = posbench_here("--help")
     assert proc.returncode == 0 and "train" in proc.stdout
 
 
@@ -181,3 +172,21 @@ def test_cfg_job_prints_composed_config(run_cli):
     assert re.search(r"scheme:\s*\n\s+name: alibi", proc.stdout)
     assert re.search(r"model:\s*\n\s+name: small", proc.stdout)
     assert "seq_len: 64" in proc.stdout
+
+
+def test_multirun_with_cfg_is_one_line_not_hydras_traceback(posbench_here, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = posbench_here("train", "-m", "debug=fast", "--cfg", "job")
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--cfg" in line and "-m" in line and "posbench train <overrides> --cfg job" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_out_that_is_a_file_is_refused(posbench_here, trained_run, tmp_path):
+    out = tmp_path / "report.md"
+    out.write_text("mine\n")
+    proc = posbench_here("report", trained_run, "--out", out)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert str(out) in line and "--out" in line and out.read_text() == "mine\n"

@@ -101,7 +101,9 @@ def test_learned_16k_is_the_learned_scheme_with_16k_rows(hydra_ctx):
 
 
 @pytest.mark.parametrize("scheme, expected", [
-    ("rope", {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}), ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
+    ("rope", {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+              "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}),
+    ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
     ("learned", {"name": "learned", "max_positions": 16 * 128}), ("alibi", {"name": "alibi"}), ("nope", {"name": "nope"}),
 ])
 def test_a_scheme_section_has_the_scheme_s_own_keys_only(scheme, expected, hydra_ctx):
@@ -217,8 +219,8 @@ def test_every_closed_choice_is_declared_on_its_field():
     """The choices finalize checks are the fields' own (``choices(...)``: field metadata), each declared once."""
     import dataclasses
 
-    from posbench.config import INIT_ROWS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
     from posbench.attention import ATTN_SCALES
+    from posbench.config import INIT_ROWS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):

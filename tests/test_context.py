@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
-from posbench import context, report
+from helpers import refused, snapshot
+from posbench import context
 from posbench.build import build_model
 from posbench.cli import register
 from posbench.config import ConfigError, finalize
-from test_refusals import refused, snapshot
-from test_report import config as run_config, write_run
+from posbench.report import render
+from test_report import config as run_config
+from test_report import write_run
 
 V = 40
 
@@ -83,15 +85,22 @@ def test_the_difference_equals_full_minus_short_scored_separately(scheme, L, S, 
     rows = context.measure(model, tokens, L, lengths, S, batch_tokens=50)  # small batches: several passes per length
     assert [r["length"] for r in rows] == [n for n in lengths if n > L]
     n_targets = (299 // max(lengths)) * max(lengths)  # the perplexity span: a multiple of the longest length
+    scored: dict[tuple[int, int], torch.Tensor] = {}  # (start, size) → naive_nll: each window's forward pass once
+
+    def window(start: int, size: int) -> torch.Tensor:
+        if (start, size) not in scored:
+            scored[start, size] = naive_nll(model, tokens, start, size)
+        return scored[start, size]
+
     for r in rows:
         T = r["length"]
         assert r["starts"] == list(range(0, n_targets - T + 1, T))
         for o, diff, full_mean, short_mean in zip(r["starts"], r["diff"], r["full"], r["short"]):
-            full = naive_nll(model, tokens, o, T)[L:]  # positions L … T−1 with the whole window
+            full = window(o, T)[L:]  # positions L … T−1 with the whole window
             short = []
             for p in range(L, T):  # each position with the short window that holds it, by its own forward pass
                 s = S * math.ceil((p - L + 1) / S)
-                short.append(naive_nll(model, tokens, o + s, L)[p - s])
+                short.append(window(o + s, L)[p - s])
             short = torch.stack(short)
             assert_close(diff, (full - short).mean().item(), atol=2e-5, rtol=0)
             assert_close(full_mean, full.mean().item(), atol=2e-5, rtol=0)
@@ -187,7 +196,8 @@ def hydra_ctx():
 
 
 REFUSALS = [
-    (["eval.context.stride=0"], r"eval.context.stride=0 is not allowed: it must be an integer between 1 and the train length L=128"),
+    (["eval.context.stride=0"],
+     r"eval.context.stride=0 is not allowed: it must be an integer between 1 and the train length L=128"),
     (["eval.context.stride=129"], r"eval.context.stride=129 is not allowed"),
     (["eval.probes=[context]", "eval.context.stride=5"],
      r"eval.context.stride=5 does not divide T − L = 128 at evaluation length 256 \(L=128\): .* e.g. eval.context.stride=16"),
@@ -220,7 +230,7 @@ def test_the_stride_defaults_to_L_over_8_and_is_checked_against_lengths_only_whe
 # ---- end to end ---------------------------------------------------------------------------------------------------
 
 
-def test_train_and_eval_record_and_print_the_context_table(run_cli, data_cache, tmp_path):
+def test_train_and_eval_record_and_print_the_context_table(run_cli, posbench_here, data_cache, tmp_path):
     run = tmp_path / "run"
     proc = run_cli("train", "debug=fast", "eval.probes=[passkey,context]", "eval.passkey.trials=2",
                    "eval.passkey.depths=[0,1]", f"hydra.run.dir={run}", f"data.cache_dir={data_cache}")
@@ -247,7 +257,7 @@ def test_train_and_eval_record_and_print_the_context_table(run_cli, data_cache, 
     assert "context use past L=32" in again.stdout
 
     before = snapshot(run)
-    line = refused(run_cli("eval", f"run={run}", "eval.probes=[context]", "eval.context.stride=3"), run, before)
+    line = refused(posbench_here("eval", f"run={run}", "eval.probes=[context]", "eval.context.stride=3"), run, before)
     assert line.startswith("eval.context.stride=3 does not divide T − L = 32"), line
 
 
@@ -274,7 +284,7 @@ def test_the_report_pools_seeds_per_window_and_renders_the_table_and_plot(tmp_pa
     write_run(runs / "rope0", cfg, context=with_probe(cfg, {64: [0.05] * 4, 128: [0.1] * 2}))
     write_run(runs / "sinusoidal0", run_config("sinusoidal", 0))  # no probe: a perplexity row only
     out = tmp_path / "out"
-    report.write_report([runs], out)
+    render.write_report([runs], out)
     md = (out / "report.md").read_text()
     section = md.split("## Context use past L")[1].split("\n## ")[0]
     assert "### C1. validation split, L = 32, stride 4" in section
@@ -296,7 +306,7 @@ def test_a_report_without_the_probe_has_no_context_section(tmp_path):
     runs = tmp_path / "runs"
     write_run(runs / "alibi0", run_config("alibi", 0))
     out = tmp_path / "out"
-    _, _, images = report.write_report([runs], out)
+    _, _, images = render.write_report([runs], out)
     assert "Context use" not in (out / "report.md").read_text()
     assert "context_vs_length" not in images and not (out / "context.csv").exists()
 

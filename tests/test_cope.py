@@ -30,10 +30,10 @@ import torch
 from torch.testing import assert_close
 
 import posbench.attention as attention
+from helpers import refused, run_into, snapshot, train_here
 from posbench import build, checkpoint, memory
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 from posbench.schemes.cope import UNFILLED_NPOS
-from test_refusals import refused, run_into, snapshot
 
 L = 16  # stands for the train length
 H, DH = 4, 8
@@ -318,10 +318,10 @@ def test_a_checkpoint_round_trip_gives_the_same_logits(tmp_path):
     assert state["spec"]["scheme"] == {"name": "cope", "npos": L + 1, "per_layer": True}
 
 
-def test_cpu_training_from_the_command_line(run_cli, data_cache, tmp_path):
+def test_cpu_training_from_the_command_line(data_cache, tmp_path, torch_state):
+    """``posbench train debug=fast scheme=cope train.steps=2``: the job trained in this process."""
     run = tmp_path / "run"
-    proc = run_into(run_cli, data_cache, run, "scheme=cope", "train.steps=2")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert train_here(data_cache, run, "scheme=cope", "train.steps=2")["status"] == "complete"
     rec = json.loads((run / "results.json").read_text())
     seq_len = rec["config"]["train"]["seq_len"]
     assert rec["config"]["scheme"] == {"name": "cope", "npos": seq_len + 1, "per_layer": True}
@@ -349,11 +349,11 @@ def test_config_refuses_a_bad_npos(npos):
     (["scheme.npos=2.5"], r"^scheme\.npos.*2\.5"),
     (["train.random_positions=256"], r"^train\.random_positions=256 but scheme=cope uses no positions"),
 ], ids=["npos=0", "npos=-1", "npos=2.5", "random_positions"])
-def test_the_command_line_refuses_in_one_line_and_writes_nothing(run_cli, data_cache, tmp_path, overrides, message):
+def test_the_command_line_refuses_in_one_line_and_writes_nothing(posbench_here, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
     run.mkdir()
     before = snapshot(run)
-    line = refused(run_into(run_cli, data_cache, run, "scheme=cope", *overrides), run, before)
+    line = refused(run_into(posbench_here, data_cache, run, "scheme=cope", *overrides), run, before)
     assert re.search(message, line), line
 
 

@@ -13,11 +13,11 @@ import torch
 from hydra import compose, initialize_config_module
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from helpers import refused, run_into, snapshot, train_here
 from posbench import batches, passkey
+from posbench.batches import copy_rate, get_batch
 from posbench.cli import register
 from posbench.config import ConfigError, finalize
-from posbench.batches import copy_rate, get_batch
-from test_refusals import refused, run_into, snapshot
 
 NEEDLE = passkey.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)  # 7-token needle, 6-token query
 
@@ -68,7 +68,8 @@ def test_one_pair_keeps_todays_draws():
 
 
 def test_layout_of_one_pair_draws_log_uniform_distances():
-    """layout()'s distance d (a pair drawing from the whole room; insert() keeps the older uniform draw for one pair), key to key, is floor(exp(U(ln n, ln(n + room + 1)))): P(d ≤ x) = ln((x+1)/n) / ln((n+room+1)/n)."""
+    """layout()'s distance d (a pair drawing from the whole room; insert() keeps the older uniform draw for one pair),
+    key to key, is floor(exp(U(ln n, ln(n + room + 1)))): P(d ≤ x) = ln((x+1)/n) / ln((n+room+1)/n)."""
     n, q, width = 7, 6, 520
     room = width - n - q
     rng = np.random.default_rng(1)
@@ -249,11 +250,11 @@ def test_filled_key_vocabulary_follows_the_key_kind(cfg_of):
     (["data.passkey_rate=0.5", "data.passkey_pairs=2"], r"data.passkey_pairs=2 needle \+ query pairs take 2 × 21 tokens, "
                                                         r"more than a training window of train.seq_len \+ 1 = 33"),
 ])
-def test_refusals_that_need_the_tokenizer_exit_2_with_nothing_written(run_cli, data_cache, tmp_path, overrides, message):
+def test_refusals_that_need_the_tokenizer_exit_2_with_nothing_written(posbench_here, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
     run.mkdir()
     before = snapshot(run)
-    line = refused(run_into(run_cli, data_cache, run, *overrides), run, before)
+    line = refused(run_into(posbench_here, data_cache, run, *overrides), run, before)
     assert __import__("re").search(message, line), line
 
 
@@ -278,11 +279,13 @@ def test_a_run_that_trains_on_needles_cannot_resume_with_another_needle_format()
 # ---- the probe during training ---------------------------------------------------------------------------------
 
 
-def test_probe_every_writes_a_curve_to_metrics_and_the_record(run_cli, data_cache, tmp_path):
+def test_probe_every_writes_a_curve_to_metrics_and_the_record(data_cache, tmp_path, torch_state):
+    """Trained and reported in this process."""
+    from posbench.report import render
+
     run = tmp_path / "run"
-    proc = run_into(run_cli, data_cache, run, "eval.probes=[passkey]", "eval.probe_every=3", "eval.passkey.trials=2",
-                    "data.passkey_rate=0.5", "data.copy_rate=0.5")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert train_here(data_cache, run, "eval.probes=[passkey]", "eval.probe_every=3", "eval.passkey.trials=2",
+                      "data.passkey_rate=0.5", "data.copy_rate=0.5")["status"] == "complete"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "passkey@32" in r]
     assert [(r["step"], r["tokens"]) for r in probes] == [(3, 3 * 4 * 32), (4, 4 * 4 * 32)]  # every 3 steps, and the last
@@ -291,14 +294,13 @@ def test_probe_every_writes_a_curve_to_metrics_and_the_record(run_cli, data_cach
     assert [c["step"] for c in rec["probe_curve"]] == [3, 4]
     assert rec["probe_curve"][1]["accuracy"] == {"32": probes[1]["passkey@32"], "64": probes[1]["passkey@64"]}
     assert rec["passkey"]["settings"]["keys"] == "digits" and rec["passkey"]["settings"]["key_fraction"] < 1e-3
-    report = run_cli("report", str(run), "--out", str(tmp_path / "rep"))
-    assert report.returncode == 0, report.stdout + report.stderr
+    assert render.write_report([run], tmp_path / "rep")[1]  # what posbench report runs
     assert (tmp_path / "rep" / "passkey_vs_tokens.png").stat().st_size > 0
     assert "(passkey_vs_tokens.png)" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_probe_curves_average_seeds_per_step_and_keep_each_length():
-    from posbench import retrieval
+    from posbench.report import retrieval
 
     def rec(setting, seed, accs):
         return {"setting": setting, "order": (0, setting), "seed": seed,
@@ -311,7 +313,7 @@ def test_probe_curves_average_seeds_per_step_and_keep_each_length():
     assert curves["rope"][64][1] == [pytest.approx(0.15), pytest.approx(0.4)] and curves["alibi"][32] == ([200], [0.5])
 
 
-def test_posbench_eval_refuses_probe_every(run_cli, existing_run):
+def test_posbench_eval_refuses_probe_every(posbench_here, existing_run):
     before = snapshot(existing_run)
-    line = refused(run_cli("eval", f"run={existing_run}", "eval.probe_every=5"), existing_run, before)
+    line = refused(posbench_here("eval", f"run={existing_run}", "eval.probe_every=5"), existing_run, before)
     assert line == "eval.probe_every=5 probes during training; posbench eval probes once: drop it"

@@ -13,8 +13,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import datasets  # noqa: E402
@@ -22,6 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from helpers import cli_env, compose_train, posbench, refused, run_into, snapshot  # noqa: E402
 from posbench import corpora, data  # noqa: E402
 
 VOCAB = 300
@@ -261,11 +260,9 @@ def test_no_network_no_copy_is_one_line(tmp_path, name):
 
 
 def test_cli_prints_the_no_network_error_on_one_line(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"),
-           "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "posbench", "train", "data=wikitext103", "train.steps=1",
-                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    """In a real process: the Hugging Face libraries read HF_HOME (here an empty one) when they are imported."""
+    proc = posbench("train", "data=wikitext103", "train.steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=cli_env(HF_HOME=str(tmp_path / "hf-home")))
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("posbench: error:")]
     assert len(lines) == 1 and "data=shakespeare" in lines[0] and "data.path=<local copy>" in lines[0]
@@ -494,11 +491,12 @@ def test_shakespeare_splits_never_share_a_play(tmp_path, monkeypatch):
                               "the train plays; the splits must not share a file")
 
 
-def test_cli_refuses_a_train_folder_holding_the_validation_file(run_cli, data_cache, tmp_path):
+def test_cli_refuses_a_train_folder_holding_the_validation_file(posbench_here, data_cache, tmp_path, monkeypatch):
     corpus_folder(tmp_path)
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "debug=fast", "data=text", "data.train_files=[corpus/]",
-                   "data.validation_files=[corpus/valid.txt]", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # the paths below are relative to the working directory
+    proc = posbench_here("train", "debug=fast", "data=text", "data.train_files=[corpus/]",
+                         "data.validation_files=[corpus/valid.txt]", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == [
@@ -508,15 +506,35 @@ def test_cli_refuses_a_train_folder_holding_the_validation_file(run_cli, data_ca
     assert not list(tmp_path.glob("outputs")) and not list(tmp_path.glob("multirun"))
 
 
-def test_a_test_split_that_falls_back_to_validation_says_so_in_the_results_and_the_report(run_cli, data_cache, tmp_path):
-    """data=text without test_files: eval.split=test scores the validation files; results.json and the report say so."""
+@pytest.mark.parametrize("content", [b"caf\xe9 au lait\n" * 50, b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 50],
+                         ids=["latin-1", "binary"])
+def test_a_text_file_that_is_not_utf8_is_named_with_the_fix(content, posbench_here, data_cache, existing_run, tmp_path):
+    bad, good = tmp_path / "plays.txt", tmp_path / "valid.txt"
+    bad.write_bytes(content)
+    good.write_text("a plain line of text\n" * 50)
+    before = snapshot(existing_run)
+    message = refused(run_into(posbench_here, data_cache, existing_run, "data=text", f"data.train_files=[{bad}]",
+                               f"data.validation_files=[{good}]"), existing_run, before)
+    first_bad = next(i for i, byte in enumerate(content) if byte >= 0x80)  # 0xe9 at 3; 0x89 at 0
+    assert str(bad) in message and f"byte 0x{content[first_bad]:02x} at offset {first_bad}" in message
+    assert "UTF-8" in message and "iconv" in message
+
+
+def test_a_test_split_that_falls_back_to_validation_says_so_in_the_results_and_the_report(data_cache, tmp_path,
+                                                                                           monkeypatch, torch_state):
+    """data=text without test_files: eval.split=test scores the validation files; results.json and the report say so.
+    (Trained and reported in this process.)"""
+    from posbench import train, train_job
+    from posbench.report import render
+
     corpus_folder(tmp_path)
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "debug=fast", "data=text", "data.train_files=[corpus/a.txt]", "data.validation_files=[corpus/b.txt]",
-                   "eval.split=test", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_dir.mkdir()
+    monkeypatch.chdir(tmp_path)  # the paths below are relative to the working directory
+    cfg = compose_train(data_cache, "data=text", "data.train_files=[corpus/a.txt]", "data.validation_files=[corpus/b.txt]",
+                        "eval.split=test")
+    assert train.train(train_job.prepare(cfg, run_dir))["status"] == "complete"
     rec = json.loads((run_dir / "results.json").read_text())
     assert (rec["split"], rec["scored_split"]) == ("test", "validation")
-    proc = run_cli("report", run_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert render.write_report([run_dir], run_dir)[1]  # (its rows: nothing to report is an error)
     assert "test split (scored the validation files: the corpus has no test files)" in (run_dir / "report.md").read_text()

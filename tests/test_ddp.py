@@ -8,8 +8,6 @@ of the saved checkpoint.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +17,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from helpers import cli_env, free_port
 from posbench import build, checkpoint, data
-from posbench.evaluate import evaluate
 from posbench.batches import get_batch
+from posbench.evaluate import evaluate
 
 TIMEOUT = 300
 STEPS = 6
@@ -29,24 +28,15 @@ LENGTHS, MAX_TOKENS = [32, 64], 256
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1")
-    return env
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The environment of a rank: helpers.cli_env with one OpenMP thread (two ranks share the cores). (Also imported
+    by tests/test_init_from.py.)"""
+    return cli_env(OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The data cache (rank 0 of the torchrun job builds it, unless test_resume already did: same folder)."""
-    root = tmp_path_factory.getbasetemp() / "posbench-data"
-    root.mkdir(exist_ok=True)
-    return root
+def cache(data_cache) -> Path:
+    """The session's data cache (conftest: prepared once)."""
+    return data_cache
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import cli_env, free_port, train_here
 from posbench import checkpoint
-
-from test_ddp import _env, free_port
 
 TIMEOUT = 180  # seconds: longer is a hang (a rank waiting in a collective for one that left)
 COMMON = ["debug=fast", "train.threads=1", "eval.lengths=[32,64]", "eval.max_tokens=256", "train.log_every=1"]
@@ -80,11 +79,9 @@ PRELUDE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The session's data folder (test_ddp and test_resume use it too: the corpus is prepared once)."""
-    root = tmp_path_factory.getbasetemp() / "posbench-data"
-    root.mkdir(exist_ok=True)
-    return root
+def cache(data_cache) -> Path:
+    """The session's data cache (conftest: prepared once)."""
+    return data_cache
 
 
 def ranks(run: Path, cache: Path, *overrides: str, world: int = 2, inject: tuple = ("none", 0, 0)):
@@ -92,7 +89,8 @@ def ranks(run: Path, cache: Path, *overrides: str, world: int = 2, inject: tuple
     port = free_port()
     procs = []
     for r in range(world):
-        env = {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        env = {**cli_env(OMP_NUM_THREADS="1"), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "INJECT": inject[0], "INJECT_STEP": str(inject[1]),
                "INJECT_RANK": str(inject[2])}
         cmd = [sys.executable, "-c", PRELUDE, "train", *COMMON, f"hydra.run.dir={run}", f"data.cache_dir={cache}",
@@ -200,13 +198,18 @@ def test_dropout_streams_differ_across_ranks_and_resume_bit_identically(cache, t
     assert _losses(stopped) == _losses(tmp_path / "straight")
 
 
-def test_another_world_size_resumes_only_when_asked_and_is_recorded(cache, tmp_path):
+def test_another_world_size_resumes_only_when_asked_and_is_recorded(cache, tmp_path, posbench_here, torch_state):
+    """Two ranks stopped at step 3; the same command in one process is refused (checked in this process), and with
+    resume_any_world_size=true its job (trained in this process) resumes and records both world sizes."""
     run = tmp_path / "run"
     assert [p.returncode for p in ranks(run, cache, "train.steps=6", inject=("sigterm", 3, 0))] == [75, 75]
-    refused = ranks(run, cache, "train.steps=6", world=1)[0]
+    refused = posbench_here("train", *COMMON, f"hydra.run.dir={run}", f"data.cache_dir={cache}", "train.steps=6")
     assert refused.returncode == 2 and "trained by 2 processes" in refused.stderr
     assert "resume_any_world_size=true" in refused.stderr
-    allowed = ranks(run, cache, "train.steps=6", "resume_any_world_size=true", world=1)[0]
+    allowed = posbench_here("train", *COMMON, f"hydra.run.dir={run}", f"data.cache_dir={cache}", "train.steps=6",
+                            "resume_any_world_size=true")
     assert allowed.returncode == 0, allowed.stderr[-1500:]
+    resumed = train_here(cache, run, *COMMON[1:], "train.steps=6", "resume_any_world_size=true")  # (COMMON[0]: debug=fast)
+    assert resumed["status"] == "complete"
     res = json.loads((run / "results.json").read_text())
     assert res["world_sizes"] == [[0, 2], [3, 1]] and res["world_size"] == 1

@@ -1,18 +1,17 @@
 """``posbench eval``: re-evaluate a trained run's checkpoint beside its results, never overwriting them;
 bad input fails with one line and exit status 2, writing nothing; and ``evaluate``'s accounting under
 both protocols (docs/design.md §6) on a small random-init model.
+
+The command runs in a real process where its output or the process matters (the file it names, a refusal's lone
+line); other re-evaluations run the same job in this process (helpers.eval_here), and other refusals go through the
+CLI's ``main`` in this process (conftest's ``posbench_here``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,47 +19,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import eval_here, kept_torch_state, ok, posbench, refused, snapshot, train_here
 from posbench.build import build_model
 from posbench.evaluate import evaluate, span
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
 
 
-def cli_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR", "WANDB_DIR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    return env
-
-
-def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def snapshot(folder: Path) -> dict:
-    """{relative path: (mtime_ns, sha256)} of every file under ``folder``, and every folder (value None)."""
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        rel = str(p.relative_to(folder))
-        out[rel] = (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) if p.is_file() else None
-    return out
-
-
 def ppls(path: Path) -> dict:
     return {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
 
 
-# ---- one trained run per module -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("eval-cli-cache")
+# ---- the session's trained run ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +39,10 @@ def cwd(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, cache, cwd) -> Path:
-    """A finished ``posbench train debug=fast`` run (L=32, eval at [32, 64] on 256 tokens)."""
-    run_dir = tmp_path_factory.mktemp("eval-cli-runs") / "rope"
-    ok(posbench("train", "debug=fast", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", cwd=cwd))
-    assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "results.json").is_file()
-    return run_dir
+def run(trained_run) -> Path:
+    """The session's finished ``posbench train debug=fast`` run (L=32, eval at [32, 64] on 256 tokens): read only."""
+    assert (trained_run / "checkpoint.pt").is_file() and (trained_run / "results.json").is_file()
+    return trained_run
 
 
 def copy_run(run: Path, dest: Path, checkpoint: bool = True) -> Path:
@@ -97,7 +65,7 @@ def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, c
     proc = ok(posbench(*args, cwd=cwd))
     after = snapshot(folder)
     for rel, state in before.items():
-        if rel != "eval.log":
+        if rel not in ("eval.log", "."):  # (the folder's own mtime moves with the files added)
             assert after.get(rel) == state, f"{rel} was changed or removed by posbench eval"
     new = set(after) - set(before) - {"eval.log"}
     assert new == {"eval-rope-sliding-validation-1.json", "eval-rope-sliding-validation-1.csv"}
@@ -116,7 +84,7 @@ def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, c
     ok(posbench(*args, cwd=cwd))  # a second evaluation: -2, never over -1
     after = snapshot(folder)
     for rel, state in first.items():
-        if rel != "eval.log":
+        if rel not in ("eval.log", "."):
             assert after.get(rel) == state, f"{rel} was changed or removed by the second posbench eval"
     assert set(after) - set(first) - {"eval.log"} == {"eval-rope-sliding-validation-2.json", "eval-rope-sliding-validation-2.csv"}
     second = json.loads((folder / "eval-rope-sliding-validation-2.json").read_text())
@@ -124,9 +92,9 @@ def test_sliding_eval_adds_numbered_results_and_touches_nothing(run, tmp_path, c
     assert ppls(folder / "eval-rope-sliding-validation-2.json") == ppls(folder / "eval-rope-sliding-validation-1.json")
 
 
-def test_eval_on_the_test_split(run, tmp_path, cwd):
+def test_eval_on_the_test_split(run, tmp_path, torch_state):
     folder = copy_run(run, tmp_path / "run")
-    ok(posbench("eval", f"run={folder}", *EVAL, "eval.split=test", cwd=cwd))
+    assert eval_here(f"run={folder}", *EVAL, "eval.split=test")["results"]
     rec = json.loads((folder / "eval-rope-nonoverlapping-test-1.json").read_text())
     assert rec["split"] == "test" and rec["protocol"] == "nonoverlapping" and rec["lengths"] == [32, 64]
     assert (folder / "eval-rope-nonoverlapping-test-1.csv").is_file()
@@ -134,15 +102,40 @@ def test_eval_on_the_test_split(run, tmp_path, cwd):
     assert ppls(folder / "eval-rope-nonoverlapping-test-1.json") != ppls(folder / "results.json")  # other tokens
 
 
-def test_nonoverlapping_reeval_reproduces_the_training_run(run, tmp_path, cwd):
-    folder = copy_run(run, tmp_path / "run")
-    ok(posbench("eval", f"run={folder}", *EVAL, "eval.protocol=nonoverlapping", cwd=cwd))
+@pytest.fixture(scope="module")
+def reevaluated(run, tmp_path_factory) -> Path:
+    """A copy of the run evaluated again in this process as it was trained (nonoverlapping), then with linear
+    RoPE scaling ×4: eval-rope-nonoverlapping-validation-1.json and eval-rope+linearx4-…-1.json beside its results."""
+    folder = copy_run(run, tmp_path_factory.mktemp("reevaluated") / "run")
+    with kept_torch_state():
+        assert eval_here(f"run={folder}", *EVAL, "eval.protocol=nonoverlapping")["results"]
+        assert eval_here(f"run={folder}", *EVAL, "scheme.scaling=linear", "scheme.factor=4")["results"]
+    return folder
+
+
+def test_nonoverlapping_reeval_reproduces_the_training_run(reevaluated):
+    folder = reevaluated
     trained = json.loads((folder / "results.json").read_text())
     again = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
     assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")  # exactly
     assert [(r["tokens"], r["windows"], r["nll"]) for r in again["results"]] == \
            [(r["tokens"], r["windows"], r["nll"]) for r in trained["results"]]
     assert again["seed"] == trained["seed"] and again["train_tokens"] == trained["train_tokens"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_gpu_trained_run_can_be_evaluated_on_a_machine_without_cuda(run, tmp_path, torch_state):
+    """A run's recorded train.device is history: posbench eval checks its own device (default auto), not the one
+    the run was trained on, so a run trained on a GPU is re-evaluated on a laptop."""
+    folder = tmp_path / "gpu-run"
+    shutil.copytree(run, folder)
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    state["config"]["train"]["device"] = "cuda"
+    torch.save(state, folder / "checkpoint.pt")
+    assert eval_here(f"run={folder}", "eval.lengths=[32,64]", "eval.max_tokens=256")["results"]
+    (record,) = folder.glob("eval-*.json")
+    rec = json.loads(record.read_text())
+    assert rec["config"]["train"]["device"] == "cuda" and rec["device"] == "cpu"
 
 
 # ---- bad input: exit 2, one line, nothing written --------------------------------------------------
@@ -153,21 +146,23 @@ BAD = ["missing folder", "no checkpoint", "newer format", "garbage checkpoint", 
 
 
 @pytest.fixture(scope="module")
-def bad_runs(run, cache, cwd, tmp_path_factory) -> dict:
-    """Every bad case run once (two at a time: 2 cores): {case: (folder, snapshot before, process)}."""
-    root = tmp_path_factory.mktemp("eval-cli-bad")
-    state = torch.load(run / "checkpoint.pt", weights_only=True)
+def learned_run(data_cache, tmp_path_factory) -> Path:
+    """A debug=fast learned run with a 64-row table (trained in this process): read only."""
+    folder = tmp_path_factory.mktemp("eval-cli-learned") / "run"
+    with kept_torch_state():
+        assert train_here(data_cache, folder, "scheme=learned", "scheme.max_positions=64", *EVAL)["status"] == "complete"
+    assert json.loads((folder / "results.json").read_text())["config"]["scheme"]["max_positions"] == 64
+    return folder
 
+
+def bad_case(case: str, run: Path, learned_run: Path, root: Path) -> tuple[Path, list[str]]:
+    """The run folder of a bad case, made under ``root``, and the eval overrides to give with it."""
     def newer(folder):
+        state = torch.load(run / "checkpoint.pt", weights_only=True)
         torch.save({**state, "format": 99}, folder / "checkpoint.pt")
 
     def garbage(folder):
         (folder / "checkpoint.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint" * 100)
-
-    def learned(folder):
-        ok(posbench("train", "debug=fast", "scheme=learned", "scheme.max_positions=64", *EVAL, f"hydra.run.dir={folder}",
-                    f"data.cache_dir={cache}", cwd=cwd))
-        assert json.loads((folder / "results.json").read_text())["config"]["scheme"]["max_positions"] == 64
 
     cases = {  # case: (prepare the folder, eval overrides)
         "missing folder": (None, EVAL),
@@ -176,25 +171,21 @@ def bad_runs(run, cache, cwd, tmp_path_factory) -> dict:
         "garbage checkpoint": (lambda f: (copy_run(run, f, checkpoint=False), garbage(f)), EVAL),
         "stride 0": (lambda f: copy_run(run, f), [*EVAL, "eval.protocol=sliding", "eval.stride=0"]),
         "stride 65": (lambda f: copy_run(run, f), [*EVAL, "eval.protocol=sliding", "eval.stride=65"]),
-        "learned table too small": (learned, ["eval.lengths=[32,128]", "eval.max_tokens=256"]),
+        "learned table too small": (lambda f: shutil.copytree(learned_run, f), ["eval.lengths=[32,128]", "eval.max_tokens=256"]),
     }
     assert set(cases) == set(BAD)
-
-    def one(case):
-        prepare, overrides = cases[case]
-        folder = root / case.replace(" ", "-")
-        if prepare:
-            prepare(folder)
-        before = snapshot(folder) if folder.exists() else None
-        return case, (folder, before, posbench("eval", f"run={folder}", *overrides, cwd=cwd))
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, BAD))
+    prepare, overrides = cases[case]
+    folder = root / case.replace(" ", "-")
+    if prepare:
+        prepare(folder)
+    return folder, overrides
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_bad_eval_input_fails_with_one_line_and_writes_nothing(bad_runs, case):
-    folder, before, proc = bad_runs[case]
+def test_bad_eval_input_fails_with_one_line_and_writes_nothing(case, run, learned_run, posbench_here, tmp_path):
+    folder, overrides = bad_case(case, run, learned_run, tmp_path)
+    before = snapshot(folder) if folder.exists() else None
+    proc = posbench_here("eval", f"run={folder}", *overrides)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert len(lines) == 1 and lines[0].startswith("posbench: error:"), proc.stderr
@@ -214,9 +205,23 @@ def test_bad_eval_input_fails_with_one_line_and_writes_nothing(bad_runs, case):
     ("stride 65", ["eval.stride"]),
     ("learned table too small", ["max_positions", "128"]),
 ])
-def test_bad_eval_input_message_says_what_is_wrong(bad_runs, case, words):
-    message = bad_runs[case][2].stderr
+def test_bad_eval_input_message_says_what_is_wrong(case, words, run, learned_run, posbench_here, tmp_path):
+    folder, overrides = bad_case(case, run, learned_run, tmp_path)
+    message = posbench_here("eval", f"run={folder}", *overrides).stderr
     assert all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("kind", ["unreadable-checkpoint", "unknown-scheme-option"])
+def test_a_bad_eval_in_a_real_process_is_one_line_and_writes_nothing(kind, run, learned_run, cwd, tmp_path):
+    """The process-level contract once per kind (a checkpoint torch cannot read, a key Hydra cannot compose):
+    exit status 2, nothing on stderr but the line, no traceback, the folder untouched."""
+    if kind == "unreadable-checkpoint":
+        folder, overrides = bad_case("garbage checkpoint", run, learned_run, tmp_path)
+    else:
+        folder, overrides = copy_run(run, tmp_path / "run"), [*EVAL, "scheme.bogus_option=1"]
+    before = snapshot(folder)
+    message = refused(posbench("eval", f"run={folder}", *overrides, cwd=cwd), folder, before)
+    assert ("not a readable" if kind == "unreadable-checkpoint" else "scheme.bogus_option") in message, message
 
 
 # ---- evaluate(): protocols and accounting on a random-init model ----------------------------------
@@ -314,13 +319,11 @@ class NaiveInterpolatedRoPE(torch.nn.Module):
         return score
 
 
-def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(run, tmp_path, cwd):
+def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(reevaluated):
     from posbench import data
     from posbench.model import GPT
 
-    folder = copy_run(run, tmp_path / "run")
-    ok(posbench("eval", f"run={folder}", *EVAL, cwd=cwd))
-    ok(posbench("eval", f"run={folder}", *EVAL, "scheme.scaling=linear", "scheme.factor=4", cwd=cwd))
+    folder = reevaluated
     plain = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
     scaled = json.loads((folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").read_text())
     assert "scheme_overrides" not in plain and plain["config"]["scheme"]["scaling"] == "none"
@@ -355,10 +358,10 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(run, tm
     (["scheme.bogus_option=1"], ["scheme.bogus_option", "run's scheme"]),
     (["scheme.name=alibi"], ["scheme.name", "cannot change"]),
 ])
-def test_a_bad_scheme_option_at_eval_fails_with_one_line_and_writes_nothing(run, tmp_path, cwd, overrides, words):
+def test_a_bad_scheme_option_at_eval_fails_with_one_line_and_writes_nothing(run, tmp_path, posbench_here, overrides, words):
     folder = copy_run(run, tmp_path / "run")
     before = snapshot(folder)
-    proc = posbench("eval", f"run={folder}", *EVAL, *overrides, cwd=cwd)
+    proc = posbench_here("eval", f"run={folder}", *EVAL, *overrides)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert len(lines) == 1 and lines[0].startswith("posbench: error:") and "Traceback" not in proc.stdout, proc.stderr
@@ -366,13 +369,11 @@ def test_a_bad_scheme_option_at_eval_fails_with_one_line_and_writes_nothing(run,
     assert snapshot(folder) == before, "posbench eval wrote into the run folder"
 
 
-def test_a_scheme_option_the_weights_do_not_fit_is_refused(bad_runs, tmp_path, cwd):
-    learned = bad_runs["learned table too small"][0]  # a learned run with a 64-row table
-    folder = tmp_path / "learned"
-    shutil.copytree(learned, folder)
+def test_a_scheme_option_the_weights_do_not_fit_is_refused(learned_run, tmp_path, posbench_here):
+    folder = tmp_path / "learned"  # a learned run with a 64-row table
+    shutil.copytree(learned_run, folder)
     before = snapshot(folder)
-    proc = posbench("eval", f"run={folder}", "eval.lengths=[32,128]", "eval.max_tokens=256", "scheme.max_positions=128",
-                    cwd=cwd)
+    proc = posbench_here("eval", f"run={folder}", "eval.lengths=[32,128]", "eval.max_tokens=256", "scheme.max_positions=128")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "scheme.max_positions=128" in proc.stderr and "do not fit" in proc.stderr, proc.stderr
     assert snapshot(folder) == before

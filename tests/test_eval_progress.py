@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CLI_TIMEOUT_S, cli_env
+from helpers import CLI_TIMEOUT_S, cli_env, run_into
 from posbench import attention, flex
 from posbench.evaluate import evaluate
 from posbench.schemes import build_scheme
-from test_refusals import run_into
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
 PROBES = ["eval.probes=[passkey,context]", "eval.passkey.trials=1", "eval.passkey.depths=[0]",

@@ -74,7 +74,8 @@ def test_sliding_stride_one_scores_one_new_target_per_window():
     n, length = 40, 8
     wins = windows(n, length, "sliding", 1)
     assert len(wins) == 1 + (n - length)
-    assert all((s, size, first) == (t - length, length, length - 1) for t, (s, size, first) in zip(range(length + 1, n + 1), wins[1:]))
+    assert all((s, size, first) == (t - length, length, length - 1)
+               for t, (s, size, first) in zip(range(length + 1, n + 1), wins[1:]))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 9, None])
@@ -374,3 +375,17 @@ def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs():
     with flush_denormals("cpu"):
         assert (tiny * 1e-10).item() == 0.0
     assert (tiny * 1e-10).item() > 0
+
+
+def test_windows_that_miss_targets_raise_a_real_error(monkeypatch):
+    """The coverage invariant holds in production, not only under a debugger: a real error (``python -O`` strips
+    asserts)."""
+    from posbench import evaluate as ev
+
+    model = build_model({"vocab_size": 50, "model": {"n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32},
+                         "scheme": {"name": "nope"}})
+    real = ev.windows
+    monkeypatch.setattr(ev, "windows", lambda *a, **k: real(*a, **k)[:-1])  # a window lost: targets unscored
+    tokens = np.random.default_rng(0).integers(0, 50, 400)
+    with pytest.raises(RuntimeError, match="scored .* targets, expected"):
+        ev.evaluate(model, tokens, [32], "nonoverlapping", None, 256, 1024, torch.device("cpu"))

@@ -3,7 +3,7 @@ attention layer (``scheme.per_layer=true``, the default) with the threshold star
 shares one FIRE across layers, posbench's earlier model.
 
 The per-layer model is checked against a hand-built reference: a float64 GPT (tests/naive_gpt.py) whose layer l adds
-the FIRE bias of layer l's own parameters, written from the paper's formula (tests/test_relative.py ``paper_bias``).
+the FIRE bias of layer l's own parameters, written from the paper's formula (tests/helpers.py ``paper_bias``).
 Also: one parameter set per layer, drawn from the scheme's own random stream (every other weight as a NoPE model's),
 checkpoint round trips, records from before ``per_layer`` existed read as shared, a fine-tune copies every layer's
 FIRE, and the command line's defaults.
@@ -17,12 +17,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from helpers import paper_bias, run_into
 from naive_gpt import naive_logits
 from posbench import build, checkpoint
 from posbench.schemes import SCHEMES
 from posbench.upgrade import scheme_section
-from test_refusals import run_into
-from test_relative import paper_bias
 
 VOCAB, H, D, LAYERS, L = 61, 4, 32, 3, 16  # H = 4: tests/test_relative.py's heads
 
@@ -125,12 +124,15 @@ def test_a_record_from_before_per_layer_reads_as_shared():
 
 
 def test_command_line_default_and_a_fine_tune_copy_every_layer(run_cli, data_cache, tmp_path):
+    """Runs of one step, evaluated at L alone on 64 tokens: what is checked is their configs and weights (FIRE's
+    evaluation on a CPU compiles FlexAttention, once per length)."""
+    short = ["eval.lengths=[32]", "eval.max_tokens=64"]
     parent, child = tmp_path / "parent", tmp_path / "child"
-    proc = run_into(run_cli, data_cache, parent, "scheme=fire")
+    proc = run_into(run_cli, data_cache, parent, "scheme=fire", "train.steps=1", *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((parent / "results.json").read_text())["config"]
     assert (config["scheme"]["per_layer"], config["scheme"]["threshold"]) == (True, 512)
-    proc = run_into(run_cli, data_cache, child, "scheme=fire", f"init_from={parent}", "train.steps=0")
+    proc = run_into(run_cli, data_cache, child, "scheme=fire", f"init_from={parent}", "train.steps=0", *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = torch.load(parent / "checkpoint.pt", weights_only=True)["model"]
     mine = torch.load(child / "checkpoint.pt", weights_only=True)["model"]
@@ -138,7 +140,8 @@ def test_command_line_default_and_a_fine_tune_copy_every_layer(run_cli, data_cac
     assert {k.split(".")[1] for k in layers} == {str(i) for i in range(4)}  # model=tiny: 4 layers, a FIRE each
     assert all(torch.equal(theirs[k], mine[k]) for k in theirs)
     shared = tmp_path / "shared"
-    proc = run_into(run_cli, data_cache, shared, "scheme=fire", "scheme.per_layer=false", "scheme.threshold=null")
+    proc = run_into(run_cli, data_cache, shared, "scheme=fire", "scheme.per_layer=false", "scheme.threshold=null",
+                    "train.steps=1", *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((shared / "results.json").read_text())["config"]
     assert (config["scheme"]["per_layer"], config["scheme"]["threshold"]) == (False, config["train"]["seq_len"])

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import free_port, refused, rows, run_into, snapshot, steps_of, valid_states
 from posbench import build, data
 from posbench.batches import get_batch
-from test_refusals import refused, run_into, snapshot
-from test_resume import cli, rows, start, steps_of, valid_states, wait_until
+from test_resume import cli, start, wait_until
 
 FT = ["train.seq_len=64", "eval.lengths=[32,64,128]", "train.schedule=constant", "train.warmup_steps=2"]
 
@@ -89,7 +89,8 @@ def test_first_step_starts_from_the_parents_weights_with_a_fresh_optimizer(run_c
 
 
 def test_a_grown_learned_table_keeps_the_trained_rows_bit_for_bit(run_cli, data_cache, parents, tmp_path):
-    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0", "scheme.max_positions=128")
+    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0",
+                   "scheme.max_positions=128")
     old, new = weights(parents["learned"])["model"]["scheme.table.weight"], weights(run)["model"]["scheme.table.weight"]
     assert old.shape == (64, 128) and new.shape == (128, 128)
     assert torch.equal(new[:64], old)
@@ -99,13 +100,15 @@ def test_a_grown_learned_table_keeps_the_trained_rows_bit_for_bit(run_cli, data_
 
 
 def test_an_unset_table_size_keeps_the_parents(run_cli, data_cache, parents, tmp_path):
-    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0", "eval.lengths=[32,64]")
+    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0",
+                   "eval.lengths=[32,64]")
     assert record(run)["config"]["scheme"]["max_positions"] == 64
     assert torch.equal(weights(run)["model"]["scheme.table.weight"], weights(parents["learned"])["model"]["scheme.table.weight"])
 
 
 def test_an_interpolated_table_is_position_interpolation_of_the_trained_rows(run_cli, data_cache, parents, tmp_path):
-    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0", "init_rows=interpolate",
+    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["learned"], "scheme=learned", "train.steps=0",
+                   "init_rows=interpolate",
                    "eval.lengths=[32,64]")
     old = weights(parents["learned"])["model"]["scheme.table.weight"].double().numpy()  # (64, D); rows 0…31 trained
     new = weights(run)["model"]["scheme.table.weight"].double().numpy()
@@ -201,7 +204,8 @@ REFUSALS = [
     ("rope", ["model.n_layer=2"], r"model.n_layer=2 but init_from=\S+ has model.n_layer=4"),
     ("rope", ["data.vocab_size=2048"], r"data.vocab_size=2048 but init_from=\S+ has data.vocab_size=4096"),
     ("rope", ["init_rows=interpolate"], r"init_rows=interpolate: the RoPE scheme has no position table"),
-    ("learned", ["scheme=learned", "scheme.max_positions=48", "train.seq_len=32", "eval.lengths=[32,48]"], r"max_positions=48: the parent's table has 64 rows"),
+    ("learned", ["scheme=learned", "scheme.max_positions=48", "train.seq_len=32", "eval.lengths=[32,48]"],
+     r"max_positions=48: the parent's table has 64 rows"),
     ("t5", ["scheme=t5", "scheme.num_buckets=16"], r"scheme.num_buckets=16 but init_from=\S+ has scheme.num_buckets=32"),
     ("rope", ["scheme.rotary_fraction=0.5"], r"scheme.rotary_fraction=0.5 but init_from=\S+ has scheme.rotary_fraction=1.0: "
                                              r"a fine-tune of rope may change base, scaling"),
@@ -345,7 +349,7 @@ def test_killed_fine_tune_resumes_bit_identically(data_cache, parents, tmp_path)
 
 
 def test_torchrun_fine_tune_starts_every_rank_from_the_parent(data_cache, parents, tmp_path):
-    from test_ddp import _env, free_port
+    from test_ddp import _env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "posbench", "train", "debug=fast", f"data.cache_dir={data_cache}",

@@ -64,7 +64,8 @@ def installed(tmp_path_factory):
 @pytest.mark.install
 def test_installed_copy_is_imported(installed):
     python, _, cwd, env_dir = installed
-    proc = run([python, "-c", "import posbench, posbench.conf, sys; print(posbench.__file__); print(posbench.conf.__file__)"], cwd)
+    proc = run([python, "-c", "import posbench, posbench.conf, sys; print(posbench.__file__); print(posbench.conf.__file__)"],
+               cwd)
     assert proc.returncode == 0, proc.stderr
     for line in proc.stdout.split():
         path = Path(line).resolve()

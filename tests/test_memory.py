@@ -239,3 +239,30 @@ def test_training_fire_through_flex_counts_its_per_pair_tables():
     assert at[512] - lse >= 3 * 512 * 512 * 2 * 4 * 4  # three layers' tables and their gradients, float32
     assert 3.5 < (at[512] - lse) / (at[256] - lse / 2) < 4.5
     assert memory.step_bytes(t5, 2, 512, "flex", 2, True, "cuda")["attention"] == lse
+
+
+# ---- the check before a run: the refusal, and its switch ------------------------------------------------------
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_figures(posbench_here, data_cache, existing_run):
+    """Terabytes of activations (100k tokens × 1024 sequences): no machine here has them; refused in seconds, not
+    after an hour of swapping, by ``posbench train`` before it touches the run folder (helpers.refused)."""
+    from helpers import refused, run_into, snapshot
+
+    before = snapshot(existing_run)
+    message = refused(run_into(posbench_here, data_cache, existing_run, "train.seq_len=100000", "train.batch_size=1024",
+                               "eval.lengths=[64]"), existing_run, before)
+    assert message.startswith("train.seq_len=100000 × train.batch_size=1024: a training step needs about ")
+    assert "TiB" in message and "available" in message and "lower train.seq_len or train.batch_size" in message
+
+
+def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
+    from helpers import compose_train
+    from posbench import train_job
+    from posbench.config import ConfigError
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1 << 20, "a 1 MiB test machine"))
+    cfg, off = (compose_train(data_cache, *extra) for extra in ([], ["train.check_memory=false"]))
+    with pytest.raises(ConfigError, match=r"a 1 MiB test machine.*train\.check_memory=false"):
+        train_job.prepare(cfg)
+    assert train_job.prepare(off).config.train.check_memory is False

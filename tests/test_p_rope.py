@@ -22,16 +22,23 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from helpers import (
+    eval_here,
+    kept_torch_state,
+    nll_with_scheme,
+    refused,
+    rope_tables,
+    run_into,
+    snapshot,
+    train_here,
+    yarn_frequencies,
+)
 from posbench import build, checkpoint
 from posbench.build import build_model
 from posbench.config import PosbenchConfig, finalize
 from posbench.model import GPT
 from posbench.schemes import PositionalScheme, build_scheme, variant_label
 from posbench.schemes.rotary import PRoPE
-
-from test_refusals import refused, run_into, snapshot
-from test_rotary import expected_tables, reference_yarn_frequencies
-from test_rotary_cli import naive_nll
 
 DH = 16  # head width of the unit tests (d_model 32, 2 heads): 8 frequency pairs
 L = 16  # their "train length"
@@ -207,9 +214,9 @@ def test_p_0_with_yarn_is_nope_with_yarns_temperature():
 SCALED = {  # scaling options → the method's frequencies θ'_i for the full head (Dh = 16), L = 16, s = 4, and its factor
     "linear": ({"scaling": "linear", "factor": 4.0, "original_length": L}, [t / 4.0 for t in theta()], 1.0),
     "ntk": ({"scaling": "ntk", "factor": 4.0, "original_length": L}, theta(base=10000.0 * 4.0 ** (DH / (DH - 2))), 1.0),
-    "yarn": ({"scaling": "yarn", "factor": 4.0, "original_length": L}, reference_yarn_frequencies(DH, 4.0, L),
+    "yarn": ({"scaling": "yarn", "factor": 4.0, "original_length": L}, yarn_frequencies(DH, 4.0, L),
              0.1 * math.log(4.0) + 1),
-    "yarn-long": ({"scaling": "yarn", "factor": 8.0, "original_length": 512}, reference_yarn_frequencies(DH, 8.0, 512),
+    "yarn-long": ({"scaling": "yarn", "factor": 8.0, "original_length": 512}, yarn_frequencies(DH, 8.0, 512),
                   0.1 * math.log(8.0) + 1),
 }
 POSITIONS = [0, 1, 2, 3, 31, 100, 511, 4095]
@@ -222,7 +229,7 @@ def test_scalings_turn_the_kept_pairs_at_the_scaled_frequencies(p, method):
     g = p_rope_frequencies(p, thetas=scaled)
     s = scheme(p, **options)
     cos, sin = s.rotation(torch.tensor(POSITIONS), torch.float64)
-    want_cos, want_sin = expected_tables(POSITIONS, lambda m, i: m * g[i], mscale)
+    want_cos, want_sin = rope_tables(POSITIONS, lambda m, i: m * g[i], mscale)
     assert_close(cos, want_cos, rtol=0, atol=1e-9)
     assert_close(sin, want_sin, rtol=0, atol=1e-9)
     k = kept(p)
@@ -246,7 +253,7 @@ def test_dynamic_ntk_uses_the_full_heads_base_for_the_window(T):
     g = p_rope_frequencies(0.5, thetas=theta(base=10000.0 * s_T ** (DH / (DH - 2))))
     positions = list(range(T))
     cos, sin = s.rotation(torch.tensor(positions), torch.float64)
-    want_cos, want_sin = expected_tables(positions, lambda m, i: m * g[i])
+    want_cos, want_sin = rope_tables(positions, lambda m, i: m * g[i])
     assert_close(cos, want_cos, rtol=0, atol=1e-9)
     assert_close(sin, want_sin, rtol=0, atol=1e-9)
 
@@ -262,7 +269,7 @@ def test_a_training_config_with_a_scaling_resolves_and_builds():
     assert config["scheme"]["original_length"] == L and config["scheme"]["p"] == 0.75
     model = build_model(build.spec(config, VOCAB))
     cos, _ = model.scheme.rotation(torch.tensor([3]), torch.float64)
-    g = p_rope_frequencies(0.75, thetas=reference_yarn_frequencies(DH, 4.0, L))
+    g = p_rope_frequencies(0.75, thetas=yarn_frequencies(DH, 4.0, L))
     assert_close(cos[0, : DH // 2], torch.tensor([(0.1 * math.log(4.0) + 1) * math.cos(3 * f) for f in g],
                                                   dtype=torch.float64))
 
@@ -353,11 +360,12 @@ EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
 
 
 @pytest.fixture(scope="module")
-def p_rope_run(run_cli, data_cache, tmp_path_factory) -> Path:
-    """A finished ``posbench train debug=fast scheme=p_rope scheme.p=0.5`` run (L = 32, Dh = 32: 8 of 16 pairs turn)."""
+def p_rope_run(data_cache, tmp_path_factory) -> Path:
+    """A finished ``posbench train debug=fast scheme=p_rope scheme.p=0.5`` run (L = 32, Dh = 32: 8 of 16 pairs turn),
+    the command line's job trained in this process."""
     run = tmp_path_factory.mktemp("p-rope") / "run"
-    proc = run_into(run_cli, data_cache, run, "scheme=p_rope", "scheme.p=0.5", *EVAL)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    with kept_torch_state():
+        assert train_here(data_cache, run, "scheme=p_rope", "scheme.p=0.5", *EVAL)["status"] == "complete"
     return run
 
 
@@ -365,36 +373,35 @@ def test_p_rope_trains_from_the_command_line_as_the_formula_says(p_rope_run):
     rec = json.loads((p_rope_run / "results.json").read_text())
     assert rec["label"] == "p_rope+p0.5" and rec["config"]["scheme"]["p"] == 0.5
     dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]
-    want = naive_nll(p_rope_run, rec, NaivePRoPE(p_rope_frequencies(0.5, dh)))
+    want = nll_with_scheme(p_rope_run, rec, NaivePRoPE(p_rope_frequencies(0.5, dh)))
     assert [r["nll"] for r in rec["results"]] == pytest.approx(want, rel=1e-5)
 
 
-def test_eval_applies_a_scaling_to_a_p_rope_run(p_rope_run, run_cli, tmp_path):
+def test_eval_applies_a_scaling_to_a_p_rope_run(p_rope_run, tmp_path, torch_state):
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(p_rope_run, run)
-    proc = run_cli("eval", f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert eval_here(f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4")["results"]
     rec = json.loads((run / "eval-p_rope+p0.5+yarnx4-nonoverlapping-validation-1.json").read_text())
     assert rec["label"] == "p_rope+p0.5+yarn×4"
     assert rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0, "original_length": 32}
     dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]
-    naive = NaivePRoPE(p_rope_frequencies(0.5, dh, reference_yarn_frequencies(dh, 4.0, 32)), 0.1 * math.log(4.0) + 1)
-    assert [r["nll"] for r in rec["results"]] == pytest.approx(naive_nll(run, rec, naive), rel=1e-5)
+    naive = NaivePRoPE(p_rope_frequencies(0.5, dh, yarn_frequencies(dh, 4.0, 32)), 0.1 * math.log(4.0) + 1)
+    assert [r["nll"] for r in rec["results"]] == pytest.approx(nll_with_scheme(run, rec, naive), rel=1e-5)
     trained = json.loads((run / "results.json").read_text())
     assert all(a != b for a, b in zip((r["nll"] for r in rec["results"]), (r["nll"] for r in trained["results"])))
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1"])
-def test_a_p_outside_0_1_is_refused_and_nothing_written(value, p_rope_run, run_cli, data_cache, tmp_path):
+def test_a_p_outside_0_1_is_refused_and_nothing_written(value, p_rope_run, posbench_here, data_cache, tmp_path):
     import shutil
 
     run = tmp_path / "existing"
     shutil.copytree(p_rope_run, run)
     before = snapshot(run)
-    message = refused(run_into(run_cli, data_cache, run, "scheme=p_rope", f"scheme.p={value}"), run, before)
+    message = refused(run_into(posbench_here, data_cache, run, "scheme=p_rope", f"scheme.p={value}"), run, before)
     assert message.startswith(f"scheme.p={value}: ") and "[0, 1]" in message, message
     fresh = tmp_path / "never"
-    assert run_into(run_cli, data_cache, fresh, "scheme=p_rope", f"scheme.p={value}").returncode == 2
+    assert run_into(posbench_here, data_cache, fresh, "scheme=p_rope", f"scheme.p={value}").returncode == 2
     assert not fresh.exists()

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import refused, run_into, snapshot, train_here, wilson
 from posbench import passkey
 from posbench.batches import get_batch
-from test_refusals import refused, run_into, snapshot
+from posbench.report import render
 
 V = 50
 NEEDLE = passkey.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)
@@ -154,22 +155,23 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("overrides, message", REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
-def test_bad_probe_settings_exit_2_with_nothing_written(run_cli, data_cache, tmp_path, overrides, message):
+def test_bad_probe_settings_exit_2_with_nothing_written(posbench_here, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
     run.mkdir()
     before = snapshot(run)
-    line = refused(run_into(run_cli, data_cache, run, "eval.probes=[passkey]", *overrides), run, before)
+    line = refused(run_into(posbench_here, data_cache, run, "eval.probes=[passkey]", *overrides), run, before)
     assert re.search(message, line), line
 
 
 # ---- end to end, and the report ---------------------------------------------------------------------------------
 
 
-def test_a_probed_run_records_trials_beside_perplexity_and_posbench_eval_probes_again(run_cli, data_cache, tmp_path):
+def test_a_probed_run_records_trials_beside_perplexity_and_posbench_eval_probes_again(run_cli, data_cache, tmp_path,
+                                                                                       torch_state):
+    """The run trained in this process; ``posbench eval`` probing it again in a real one."""
     run = tmp_path / "run"
-    proc = run_into(run_cli, data_cache, run, "eval.probes=[passkey]", "data.passkey_rate=0.5", "eval.passkey.trials=2",
-                    "eval.passkey.depths=[0,1]")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert train_here(data_cache, run, "eval.probes=[passkey]", "data.passkey_rate=0.5", "eval.passkey.trials=2",
+                      "eval.passkey.depths=[0,1]")["status"] == "complete"
     rec = json.loads((run / "results.json").read_text())
     assert [r["length"] for r in rec["results"]] == [32, 64]  # perplexity is still there
     assert len(rec["passkey"]["trials"]) == 2 * 2 * 2 and rec["passkey"]["settings"]["train_length"] == 32
@@ -197,19 +199,12 @@ def fake_run(folder, scheme, outcomes, L=32, seed=0, split="validation", name="r
         "passkey": {"settings": settings, "trials": trials}}))
 
 
-def wilson(k, n, z=1.959963984540054):  # Wilson 1927, eq. for the score interval
-    p = k / n
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return centre - half, centre + half
-
-
-def test_the_report_ranks_retrieval_with_wilson_intervals_mcnemar_and_the_validity_rule(run_cli, tmp_path):
+def test_the_report_ranks_retrieval_with_wilson_intervals_mcnemar_and_the_validity_rule(tmp_path):
     n = 20
     fake_run(tmp_path / "runs" / "a", "alibi", {**{(32, i): True for i in range(n)}, **{(64, i): i < 18 for i in range(n)}})
     fake_run(tmp_path / "runs" / "b", "rope", {**{(32, i): i < 19 for i in range(n)}, **{(64, i): i < 10 for i in range(n)}})
     fake_run(tmp_path / "runs" / "c", "nope", {**{(32, i): i < 5 for i in range(n)}, **{(64, i): True for i in range(n)}})
-    proc = run_cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert render.write_report([tmp_path / "runs"], tmp_path / "out")[1]  # what posbench report runs
     md = (tmp_path / "out" / "report.md").read_text()
     rows = {line.split(" |")[0].strip("| "): line for line in md.splitlines() if line.startswith("| alibi") or
             line.startswith("| rope") or line.startswith("| nope")}
@@ -229,16 +224,17 @@ def test_the_report_ranks_retrieval_with_wilson_intervals_mcnemar_and_the_validi
     assert (tmp_path / "out" / "passkey_vs_distance.png").exists() and (tmp_path / "out" / "passkey_heatmap.png").exists()
 
 
-def test_seeds_pair_by_window_and_other_probes_get_their_own_table(run_cli, tmp_path):
+def test_seeds_pair_by_window_and_other_probes_get_their_own_table(tmp_path):
     """Two seeds of a row are pooled per window (a sign test over windows, not over seed × window pairs); a
     re-evaluation probing the test split is its own table, never pooled with the validation probe's trials."""
     n = 20
     for seed in (0, 1):  # alibi: right on every window at 64; rope: wrong on windows 0…3 with both seeds
-        fake_run(tmp_path / "runs" / f"a{seed}", "alibi", {**{(32, i): True for i in range(n)}, **{(64, i): True for i in range(n)}}, seed=seed)
-        fake_run(tmp_path / "runs" / f"b{seed}", "rope", {**{(32, i): True for i in range(n)}, **{(64, i): i >= 4 for i in range(n)}}, seed=seed)
+        fake_run(tmp_path / "runs" / f"a{seed}", "alibi",
+                 {**{(32, i): True for i in range(n)}, **{(64, i): True for i in range(n)}}, seed=seed)
+        fake_run(tmp_path / "runs" / f"b{seed}", "rope",
+                 {**{(32, i): True for i in range(n)}, **{(64, i): i >= 4 for i in range(n)}}, seed=seed)
     fake_run(tmp_path / "runs" / "b0", "rope", {(64, i): False for i in range(n)}, split="test", name="eval-rope-test-1.json")
-    proc = run_cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert render.write_report([tmp_path / "runs"], tmp_path / "out")[1]  # what posbench report runs
     import csv
 
     cells = list(csv.DictReader(open(tmp_path / "out" / "passkey.csv")))
@@ -253,7 +249,7 @@ def test_seeds_pair_by_window_and_other_probes_get_their_own_table(run_cli, tmp_
 
 def test_validity_counts_windows_no_longer_than_L():
     """Failures at distance ≤ L inside windows longer than L do not make a row invalid; failures at T ≤ L do."""
-    from posbench import retrieval
+    from posbench.report import retrieval
 
     def rec(setting, ok_short, ok_long):
         trials = [{"length": n, "depth": 0.5, "trial": i, "distance": 10, "correct": ok_short if n <= 32 else ok_long,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import compose_train as compose
+from helpers import refused, run_into, snapshot, train_here
 from posbench.model import GPT
-from test_refusals import refused, run_into, snapshot
-from test_resume import compose
 
 
 @pytest.fixture
@@ -62,19 +62,22 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("overrides, message", REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
-def test_refusals(run_cli, data_cache, tmp_path, overrides, message):
+def test_refusals(posbench_here, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
     run.mkdir()
     before = snapshot(run)
-    line = refused(run_into(run_cli, data_cache, run, *overrides), run, before)
+    line = refused(run_into(posbench_here, data_cache, run, *overrides), run, before)
     assert re.search(message, line), line
 
 
-def test_a_randomized_run_from_the_command_line(run_cli, data_cache, tmp_path):
-    proc = run_into(run_cli, data_cache, tmp_path / "run", "scheme=alibi", "train.random_positions=512")
+def test_a_randomized_run_from_the_command_line(posbench_here, data_cache, tmp_path, torch_state):
+    """The command line passes posbench's checks, and its job, trained in this process, records the option."""
+    proc = run_into(posbench_here, data_cache, tmp_path / "run", "scheme=alibi", "train.random_positions=512")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert train_here(data_cache, tmp_path / "run", "scheme=alibi", "train.random_positions=512")["status"] == "complete"
     rec = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert rec["config"]["train"]["random_positions"] == 512 and all(torch.isfinite(torch.tensor(r["nll"])) for r in rec["results"])
+    assert rec["config"]["train"]["random_positions"] == 512
+    assert all(torch.isfinite(torch.tensor(r["nll"])) for r in rec["results"])
 
 
 @pytest.mark.parametrize("name, reads", [("nope", False), ("rope", True), ("alibi", True), ("learned", True),

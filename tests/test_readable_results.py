@@ -16,9 +16,9 @@ import sys
 import time
 
 import pytest
+
 from conftest import CLI_TIMEOUT_S, cli_env
-from test_passkey import wilson
-from test_refusals import refused, run_into, snapshot
+from helpers import refused, run_into, snapshot, wilson
 
 PROBE = ["eval.probes=[passkey]", "eval.passkey.trials=2", "eval.passkey.depths=[0,1]"]
 

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from helpers import train_here
 from posbench.build import build_model, model_spec
 from posbench.config import PosbenchConfig, finalize
 from posbench.schemes import SCHEMES, build_scheme
@@ -152,19 +153,19 @@ def test_the_recipe_is_the_default():
 # ---- the model does not depend on evaluation settings ----------------------------------------------
 
 
-def _train(run_cli, data_cache, run_dir, lengths):
-    proc = run_cli("train", "debug=fast", "scheme=learned", f"eval.lengths=[{','.join(map(str, lengths))}]",
-                   "train.threads=1", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
-    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+def _train(data_cache, run_dir, lengths):
+    """``posbench train debug=fast scheme=learned eval.lengths=lengths train.threads=1``, trained in this process."""
+    record = train_here(data_cache, run_dir, "scheme=learned", f"eval.lengths=[{','.join(map(str, lengths))}]", "train.threads=1")
+    assert record["status"] == "complete"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
     results = json.loads((run_dir / "results.json").read_text())
     return metrics, state, results
 
 
-def test_evaluation_lengths_do_not_change_the_trained_model(run_cli, data_cache, tmp_path):
-    m1, s1, r1 = _train(run_cli, data_cache, tmp_path / "to64", [32, 64])
-    m2, s2, r2 = _train(run_cli, data_cache, tmp_path / "to128", [32, 128])
+def test_evaluation_lengths_do_not_change_the_trained_model(data_cache, tmp_path, torch_state):
+    m1, s1, r1 = _train(data_cache, tmp_path / "to64", [32, 64])
+    m2, s2, r2 = _train(data_cache, tmp_path / "to128", [32, 128])
     assert len(m1) == len(m2) > 0
     assert [m["loss"] for m in m1] == [m["loss"] for m in m2], "the losses depend on eval.lengths"
     assert [m["grad_norm"] for m in m1] == [m["grad_norm"] for m in m2]

@@ -2,7 +2,11 @@
 
 Every refusal: exit status 2, stderr exactly one line ``posbench: error: ...`` naming the bad value and
 what is allowed, no traceback, and an existing run folder given as ``hydra.run.dir`` left as it was
-(every file's bytes and mtime, no new file or folder: no ``.hydra/`` rewrite, no ``wandb/``).
+(every file's bytes and mtime, no new file or folder: no ``.hydra/`` rewrite, no ``wandb/``): helpers.refused.
+
+The refusals are checked in this process (conftest's ``posbench_here``: the CLI's ``main`` up to where Hydra would
+start the job, milliseconds each); two commands run in a real process, for what only a process shows: nothing but
+the one line on stderr, no traceback, the run folder untouched or never made.
 
 The existing run folder is a copy of the session's ``trained_run`` (a finished ``debug=fast`` run: 4 steps),
 so other tests that read it are not disturbed. Every command carries ``debug=fast`` so that a value the CLI
@@ -11,50 +15,20 @@ fails to refuse costs a few seconds of training, not the full default run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-PREFIX = "posbench: error: "
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file and folder under ``folder`` (itself included): relative path → (mtime_ns, size, sha256)."""
-    out = {}
-    for p in [folder, *sorted(folder.rglob("*"))]:
-        st = p.stat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        out[str(p.relative_to(folder))] = (st.st_mtime_ns, st.st_size if p.is_file() else 0, digest)
-    return out
-
-
-def refused(proc, run_dir: Path, before: dict) -> str:
-    """Check a refusal (see the module docstring); return the message after ``posbench: error: ``, with the
-    run folder's path replaced by ``<run>`` (so numbers in a temporary path are not taken for values)."""
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, f"exit status {proc.returncode}\n{out[-3000:]}"
-    assert "Traceback" not in out, out[-3000:]
-    lines = proc.stderr.strip("\n").splitlines()
-    assert len(lines) == 1, f"stderr is not one line:\n{proc.stderr}"
-    assert lines[0].startswith(PREFIX), lines[0]
-    after = snapshot(run_dir)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert not changed, f"the refused command created or touched in the run folder: {changed}"
-    return lines[0][len(PREFIX):].replace(str(run_dir), "<run>")
-
-
-def run_into(run_cli, data_cache, run_dir: Path, *overrides: str):
-    return run_cli("train", "debug=fast", *overrides, f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}")
+from helpers import compose_train, kept_torch_state, refused, rows, run_into, snapshot, steps_of
 
 
 def value(key: str, number: str) -> str:
     """A regex for ``key=number`` as a message may print it (``-1`` or ``-1.0``; ``0.001`` or ``1e-03``)."""
-    return re.escape(key) + r"=" + "(" + "|".join(re.escape(v) for v in {number, repr(float(number)), f"{float(number):g}"}) + r")(?![\d.])"
+    forms = {number, repr(float(number)), f"{float(number):g}"}
+    return re.escape(key) + r"=" + "(" + "|".join(re.escape(v) for v in forms) + r")(?![\d.])"
 
 
 # ---- optimizer values --------------------------------------------------------------------------
@@ -77,12 +51,20 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_optimizer_value_is_refused_and_the_run_folder_untouched(case, run_cli, data_cache, existing_run):
+def test_bad_optimizer_value_is_refused_and_the_run_folder_untouched(case, posbench_here, data_cache, existing_run):
     overrides, checks = BAD[case]
     before = snapshot(existing_run)
-    message = refused(run_into(run_cli, data_cache, existing_run, *overrides), existing_run, before)
+    message = refused(run_into(posbench_here, data_cache, existing_run, *overrides), existing_run, before)
     for check in checks:
         assert re.search(check, message), f"{check!r} not in {message!r}"
+
+
+def test_a_refusal_in_a_real_process_is_one_line_and_leaves_the_run_folder_as_it_was(run_cli, data_cache, existing_run):
+    """The process-level contract of a bad value, once: exit status 2, nothing on stderr but the line (no
+    traceback, no warning, no log line), and nothing of the run folder rewritten (Hydra's ``.hydra/`` included)."""
+    before = snapshot(existing_run)
+    message = refused(run_into(run_cli, data_cache, existing_run, "train.grad_clip=-1"), existing_run, before)
+    assert re.search(value("train.grad_clip", "-1"), message), message
 
 
 def test_bad_optimizer_value_creates_no_run_folder(run_cli, data_cache, tmp_path):
@@ -90,32 +72,49 @@ def test_bad_optimizer_value_creates_no_run_folder(run_cli, data_cache, tmp_path
     proc = run_into(run_cli, data_cache, run_dir, "train.grad_clip=-1")
     assert proc.returncode == 2, proc.stderr
     assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    refused(proc, run_dir, {})  # and the rest of the contract: one line, no traceback
 
 
 # ---- grad_clip=0: no clipping ----------------------------------------------------------------------
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def clip_runs(run_cli, data_cache, tmp_path_factory) -> dict:
-    """Two finished debug=fast runs (one thread each, so they are bit-comparable): grad_clip 0 and 1000."""
+def clip_runs(data_cache, tmp_path_factory) -> dict:
+    """Finished debug=fast runs trained in this process (one thread each, so they are bit-comparable) with
+    grad_clip 0, 1 and 1000: {clip: (run folder, the gradient norm of each optimizer step)}. The norms are those
+    of the gradients AdamW steps with, recorded by an optimizer pre-step hook."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from posbench import train as train_mod
+    from posbench import train_job
+
+    stepped: list[float] = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        stepped.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
     runs = {}
-    for clip in ("0", "1000"):
+    for clip in ("0", "1", "1000"):
         run = tmp_path_factory.mktemp(f"clip-{clip}") / "run"
-        proc = run_into(run_cli, data_cache, run, f"train.grad_clip={clip}", "train.threads=1")
-        assert proc.returncode == 0, f"train.grad_clip={clip} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-        runs[clip] = run
+        run.mkdir()
+        cfg = compose_train(data_cache, f"train.grad_clip={clip}", "train.threads=1")
+        stepped.clear()
+        handle = register_optimizer_step_pre_hook(record)
+        try:
+            with kept_torch_state():
+                assert train_mod.train(train_job.prepare(cfg, run))["status"] == "complete"
+        finally:
+            handle.remove()
+        runs[clip] = run, list(stepped)
     return runs
 
 
 def test_grad_clip_0_is_accepted_and_trains(clip_runs):
-    run = clip_runs["0"]
-    rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    losses = [r["loss"] for r in rows]
+    run, _ = clip_runs["0"]
+    logged = rows(run)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    losses = [r["loss"] for r in logged]
     assert all(math.isfinite(x) for x in losses), losses
     assert len(set(losses)) == len(losses), f"the loss does not change between steps: {losses}"
     assert json.loads((run / "results.json").read_text())["status"] == "complete"
@@ -125,7 +124,7 @@ def test_grad_clip_0_is_accepted_and_trains(clip_runs):
 def test_grad_clip_0_means_no_clipping(clip_runs):
     """A clip at 1000 never triggers at these gradient norms, so "no clipping" must match it bit for bit;
     a clip to norm 0 (gradients zeroed) would match at step 1 (before any update) and differ by step 4."""
-    none, loose = metrics(clip_runs["0"]), metrics(clip_runs["1000"])
+    none, loose = rows(clip_runs["0"][0]), rows(clip_runs["1000"][0])
     assert max(r["grad_norm"] for r in loose) < 1000  # the premise: the loose clip never triggered
     assert none[0]["loss"] == loose[0]["loss"]
     assert none[3]["loss"] == loose[3]["loss"], (
@@ -134,35 +133,12 @@ def test_grad_clip_0_means_no_clipping(clip_runs):
 
 
 @pytest.mark.parametrize("clip", [0, 1])
-def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_cache, tmp_path, torch_state):
+def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, clip_runs):
     """In process: the gradients AdamW steps with have the norm metrics.jsonl logs (the norm before clipping)
     when grad_clip=0: clip_grad_norm_ neither zeroed nor scaled them. grad_clip=1 shows the check can tell:
     these norms are above 1, so there the optimizer steps with norm 1."""
-    from hydra import compose, initialize_config_module
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    from posbench import train as train_mod
-    from posbench import train_job
-    from posbench.cli import register
-
-    stepped = []
-
-    def record(optimizer, args, kwargs):
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        stepped.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
-
-    register()
-    with initialize_config_module("posbench.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["debug=fast", f"data.cache_dir={data_cache}", f"train.grad_clip={clip}",
-                                          "train.threads=1"])
-    run = tmp_path / "run"
-    run.mkdir()
-    handle = register_optimizer_step_pre_hook(record)
-    try:
-        train_mod.train(train_job.prepare(cfg, run))
-    finally:
-        handle.remove()
-    logged = [r["grad_norm"] for r in metrics(run)]
+    run, stepped = clip_runs[str(clip)]
+    logged = [r["grad_norm"] for r in rows(run)]
     assert len(stepped) == len(logged) == 4 and all(n > 1 for n in logged), (stepped, logged)
     if clip == 0:
         assert stepped == pytest.approx(logged, rel=1e-5), "grad_clip=0 clipped the gradients"
@@ -174,21 +150,27 @@ def test_grad_clip_0_steps_with_the_unclipped_gradients_in_process(clip, data_ca
 
 
 @pytest.mark.parametrize("steps", [2, 8])
-def test_changed_step_count_of_an_existing_run_is_refused(steps, run_cli, data_cache, existing_run):
+def test_changed_step_count_of_an_existing_run_is_refused(steps, posbench_here, data_cache, existing_run):
     """The learning-rate schedule is a function of train.steps: a finished 4-step run re-run with another
     step count (shorter or longer) would splice two cosine schedules, so it is refused."""
     assert json.loads((existing_run / "results.json").read_text())["config"]["train"]["steps"] == 4
     before = snapshot(existing_run)
-    message = refused(run_into(run_cli, data_cache, existing_run, f"train.steps={steps}"), existing_run, before)
+    message = refused(run_into(posbench_here, data_cache, existing_run, f"train.steps={steps}"), existing_run, before)
     assert "train.steps" in message, message
     assert re.search(rf"(?<![\d.]){steps}(?![\d.])", message) and re.search(r"(?<![\d.])4(?![\d.])", message), message
     assert "resume=never" in message or "new run folder" in message, message  # what is allowed
 
 
-def test_resume_never_with_a_changed_step_count_starts_over(run_cli, data_cache, existing_run):
-    proc = run_into(run_cli, data_cache, existing_run, "train.steps=2", "resume=never")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [r["step"] for r in metrics(existing_run)] == [1, 2]
+def test_resume_never_with_a_changed_step_count_starts_over(posbench_here, data_cache, existing_run, torch_state):
+    """Not refused (the command line passes every check), and the job, trained here in process, starts over."""
+    from posbench import train as train_mod
+    from posbench import train_job
+
+    proc = run_into(posbench_here, data_cache, existing_run, "train.steps=2", "resume=never")
+    assert proc.returncode == 0 and "Hydra started the train job" in proc.stderr, proc.stdout + proc.stderr
+    job = train_job.prepare(compose_train(data_cache, "train.steps=2", "resume=never"), existing_run)
+    assert train_mod.train(job)["status"] == "complete"
+    assert steps_of(existing_run) == [1, 2]
     rec = json.loads((existing_run / "results.json").read_text())
     assert rec["resumed_from"] is None and rec["config"]["train"]["steps"] == 2
 
@@ -197,12 +179,35 @@ def test_resume_never_with_a_changed_step_count_starts_over(run_cli, data_cache,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cuda_without_cuda_is_refused_before_the_run_folder_is_touched(run_cli, data_cache, existing_run):
+def test_cuda_without_cuda_is_refused_before_the_run_folder_is_touched(posbench_here, data_cache, existing_run):
     config = existing_run / ".hydra" / "config.yaml"
     stamp = (config.read_bytes(), config.stat().st_mtime_ns)
     before = snapshot(existing_run)
-    message = refused(run_into(run_cli, data_cache, existing_run, "train.device=cuda"), existing_run, before)
+    message = refused(run_into(posbench_here, data_cache, existing_run, "train.device=cuda"), existing_run, before)
     assert re.search(r"train\.device='?cuda'?", message), message
     assert "cpu" in message, message  # what is allowed
     assert (config.read_bytes(), config.stat().st_mtime_ns) == stamp
     assert not (existing_run / "wandb").exists()
+
+
+# ---- values that used to end in a traceback or a misleading message ------------------------------------------
+
+ROUGH = {
+    # id: (overrides, substrings the message must hold, substrings it must not)
+    "negative-seed": (["seed=-1"], ["seed=-1", ">= 0"], []),
+    "nan-lr": (["train.lr=nan"], ["train.lr=nan", "finite"], ["min_lr"]),
+    "inf-lr": (["train.lr=inf"], ["train.lr=inf", "finite"], ["min_lr"]),
+    "nan-weight-decay": (["train.weight_decay=nan"], ["train.weight_decay=nan"], []),
+    "lengths-out-of-order": (["eval.lengths=[64,32]"], ["eval.lengths=[64, 32]", "increasing", "[32,64]"], []),
+    "lengths-repeated": (["eval.lengths=[32,32]"], ["eval.lengths=[32, 32]", "without repeats", "[32]"], []),
+    "stride-without-sliding": (["eval.stride=16"], ["eval.stride=16", "eval.protocol=sliding"], []),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUGH))
+def test_bad_value_is_refused_with_one_line_and_the_run_folder_untouched(case, posbench_here, data_cache, existing_run):
+    overrides, found, absent = ROUGH[case]
+    before = snapshot(existing_run)
+    message = refused(run_into(posbench_here, data_cache, existing_run, *overrides), existing_run, before)
+    assert all(s in message for s in found), message
+    assert not any(s in message for s in absent), message

@@ -32,6 +32,7 @@ from torch.testing import assert_close
 
 import posbench.attention as attention
 import posbench.flex as flex
+from helpers import paper_bias, t5_bucket_by_hand
 from posbench import build, cli
 from posbench.config import ConfigError, finalize, to_dict
 from posbench.schemes import SCHEMES, build_scheme
@@ -60,15 +61,6 @@ def softplus(x: float) -> float:
 
 def sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
-
-
-def t5_bucket_by_hand(n: int, B: int, M: int) -> int:
-    """T5's causal bucket of distance n: B/2 exact buckets, then B/2 log-spaced ones up to M, the rest in the last."""
-    n = max(n, 0)
-    exact = B // 2
-    if n < exact:
-        return n
-    return min(B - 1, exact + math.floor(math.log(n / exact) / math.log(M / exact) * (B - exact)))
 
 
 # ---- the papers' formulas: Python loops (float64) ------------------------------------------------------
@@ -115,43 +107,14 @@ def loop_value(name, s, h, i, j) -> float:
     raise KeyError(name)
 
 
-# ---- the papers' formulas: float64 tensors (the attention reference; gradients reach the parameters) ----------
-
-
-def paper_bias(name: str, s, pos: torch.Tensor) -> torch.Tensor:
-    """(H, T, T) float64 bias of query i = pos[a] and key j = pos[b] (any value above the diagonal)."""
-    i, j = pos.double()[:, None], pos.double()[None, :]  # (T, 1), (1, T)
-    d = i - j  # (T, T)
-    if name == "t5":
-        B, M = s.config.num_buckets, s.config.max_distance
-        idx = torch.tensor([[t5_bucket_by_hand(int(x), B, M) for x in row] for row in (pos[:, None] - pos[None, :])])
-        return s.weight.double()[idx].permute(2, 0, 1)  # (H, T, T)
-    if name in ("kerple_log", "kerple_power"):
-        r1 = torch.log1p(torch.exp(s.theta1.double()))[:, None, None]  # (H, 1, 1)
-        if name == "kerple_log":
-            r2 = torch.log1p(torch.exp(s.theta2.double()))[:, None, None]
-            return -r1 * torch.log(1 + r2 * d.abs())
-        r2 = 2 / (1 + torch.exp(-s.theta2.double()))[:, None, None]
-        return -r1 * d.abs() ** r2
-    if name == "sandwich":
-        dbar = s.config.dim or DH
-        k = torch.arange(1, dbar // 2 + 1, dtype=torch.float64)
-        total = torch.cos(d[..., None] / 10000 ** (2 * k / dbar)).sum(-1)  # (T, T)
-        return (total - dbar / 2) / (8 * torch.arange(1, H + 1, dtype=torch.float64) / H)[:, None, None]
-    if name == "fire":
-        c, m = s.c.double(), s.multiplier.double()
-        threshold = (m * s.config.threshold).abs()
-        x = torch.log(torch.abs(c * d) + 1) / (torch.log(torch.abs(c * torch.maximum(i, threshold)) + 1) + 1e-6)
-        hidden = torch.relu(x[..., None] * s.mlp[0].weight.double()[:, 0] + s.mlp[0].bias.double())  # (T, T, W)
-        return (hidden @ s.mlp[2].weight.double().T + s.mlp[2].bias.double()).permute(2, 0, 1)  # (H, T, T)
-    raise KeyError(name)
+# ---- the attention reference (the papers' biases as float64 tensors: helpers.paper_bias) ------------------
 
 
 def reference(name, s, q, k, v, pos):
     """softmax(q·kᵀ/√Dh + bias, later keys masked by index) · v in float64: (B, H, T, Dh)."""
     q, k, v = q.double(), k.double(), v.double()
     T = q.shape[2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + paper_bias(name, s, pos)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + paper_bias(name, s, pos, heads=H, head_dim=DH)
     future = torch.arange(T)[None, :] > torch.arange(T)[:, None]
     return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
 

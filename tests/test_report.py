@@ -18,12 +18,12 @@ import pytest
 import scipy.stats
 from omegaconf import OmegaConf
 
-from posbench.report import compare, render
 from posbench import config as schema
-from posbench.upgrade import upgrade
 from posbench.evaluate import position_bins, windows
+from posbench.report import compare, render
 from posbench.results import FORMAT, new_eval_stem, record, write_results
 from posbench.schemes import variant_label
+from posbench.upgrade import upgrade
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
 LENGTHS = [32, 64, 128]
@@ -116,7 +116,8 @@ def write_run(folder: Path, cfg: dict, results: bool = True, rows: list[dict] | 
 def write_eval(folder: Path, cfg: dict, rows: list[dict] | None = None, stem: str | None = None, **extra) -> Path:
     """A record of ``cfg`` (its ``eval`` settings) beside the run: ``eval-<protocol>-<split>-<n>.json`` by default."""
     e = cfg["eval"]
-    rec = record(cfg, rows if rows is not None else rows_for(cfg), variant_label(cfg["scheme"]), split=e["split"], train_tokens=1280,
+    rows = rows if rows is not None else rows_for(cfg)
+    rec = record(cfg, rows, variant_label(cfg["scheme"]), split=e["split"], train_tokens=1280,
                  train_seconds=2.5, device="cpu", threads=2, **extra)
     return write_results(folder, rec, stem or new_eval_stem(folder, rec["label"], e["protocol"], e["split"]))
 
@@ -221,15 +222,16 @@ def test_report_writes_table_csv_plots_and_names_skipped_runs(sweep, tmp_path):
                        ("data.name", '"shakespeare"'), ("train.steps", "10")]:
         assert f"`{key}` = {value}" in fixed, fixed
     assert "scheme.name" not in fixed and "`seed`" not in fixed
-    assert "scheme.base" not in fixed.split("## Scheme settings")[0], fixed  # an option of rope only: stated beside rope, not as a global setting
+    # an option of rope only: stated beside rope, not as a global setting
+    assert "scheme.base" not in fixed.split("## Scheme settings")[0], fixed
     assert "rope: `scheme.base` = 10000.0" in md.split("## Scheme settings")[1], md
     skipped = md.split("## Skipped")[1]
-    lines = {name: next((l for l in skipped.splitlines() if name in l), "") for name in
+    lines = {name: next((line for line in skipped.splitlines() if name in line), "") for name in
              ("6_rope_seed3", "7_alibi_seed3", "8_rope_seed4")}
     assert "still running" in lines["6_rope_seed3"], skipped
     assert "broken" in lines["7_alibi_seed3"], skipped
     assert "L=64" in lines["8_rope_seed4"] and "L=32" in lines["8_rope_seed4"], skipped
-    assert sum(1 for l in skipped.splitlines() if l.startswith("- ")) == 3, skipped
+    assert sum(1 for line in skipped.splitlines() if line.startswith("- ")) == 3, skipped
     assert "seeds [0, 1, 2]" in md
 
 
@@ -374,7 +376,8 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
     records, skipped = compare.collect([root])
     assert not skipped and [r["config"]["scheme"] for r in records] == [
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
-        {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_length": None,
+        {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "original_length": None,
          "yarn_ramp": "reference", "rotary_fraction": 1.0}]
     table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
@@ -388,7 +391,8 @@ def test_each_evaluation_setting_is_its_own_table_never_one_cell(tmp_path):
     evals = {"results": ({}, {}, 0.0), "budget": ({"max_tokens": 128}, {}, 100.0), "lengths": ({"lengths": [32, 64]}, {}, 200.0),
              "test": ({"split": "test"}, {"scored_split": "validation"}, 300.0)}
     for seed in range(2):
-        run = write_run(root / f"rope{seed}", config("rope", seed), rows=rows_for(config("rope", seed), lambda n: 10 + seed + n / 32))
+        rows = rows_for(config("rope", seed), lambda n: 10 + seed + n / 32)
+        run = write_run(root / f"rope{seed}", config("rope", seed), rows=rows)
         for name, (settings, extra, offset) in evals.items():
             if name != "results":
                 cfg = config("rope", seed, **settings)
@@ -406,7 +410,8 @@ def test_each_evaluation_setting_is_its_own_table_never_one_cell(tmp_path):
         cells = titles[title]
         for cell, n in zip(cells, lengths):
             ppl = [offset + 10 + seed + n / 32 for seed in range(2)]
-            assert cell.startswith(f"{math.exp(statistics.fmean(map(math.log, ppl))):.2f} ± {statistics.stdev(ppl):.2f}"), (title, cell)
+            want = f"{math.exp(statistics.fmean(map(math.log, ppl))):.2f} ± {statistics.stdev(ppl):.2f}"
+            assert cell.startswith(want), (title, cell)
     assert all(r["seeds"] == "2" for r in report_csv(root)), "a cell held records of two evaluation settings"
 
 
@@ -544,7 +549,8 @@ def test_single_seed_rows_get_a_paired_bootstrap_over_windows(tmp_path):
             r = by[scheme, n]
             assert r["test"] == "bootstrap" and r["p_value"] == ""
             width = high - low
-            assert float(r["ci_low"]) == pytest.approx(low, abs=0.1 * width) and float(r["ci_high"]) == pytest.approx(high, abs=0.1 * width)
+            assert float(r["ci_low"]) == pytest.approx(low, abs=0.1 * width)
+            assert float(r["ci_high"]) == pytest.approx(high, abs=0.1 * width)
             assert r["significantly_worse"] == str(low > 0) == str(scheme == "rope"), (scheme, n, low, high)
             assert cells[scheme][k].endswith("★") == (scheme != "rope"), cells
         assert by["learned", n]["test"] == "n/a" and cells["learned"][k].endswith("†"), cells["learned"]
@@ -560,7 +566,7 @@ def test_plots_show_the_validation_split_and_the_largest_group(tmp_path, monkeyp
 
     def savefig(fig, path, *args, **kwargs):
         ax = fig.axes[0]
-        shown.append((Path(path).name, ax.get_title(), {l.get_label(): list(l.get_ydata()) for l in ax.get_lines()}))
+        shown.append((Path(path).name, ax.get_title(), {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}))
         return save(fig, path, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)

@@ -1,14 +1,14 @@
 """Resume, preemption and the failure guards of the training loop.
 
 Every CLI run is ``python -m posbench train debug=fast ...`` (L=32, batch 4) in its own run folder,
-with one data cache (the BPE tokenizer is trained once, in-process, by the ``cache`` fixture, in a
-folder test_ddp.py reuses). In-process tests compose the config with Hydra's compose API and call
-``posbench.train.train`` directly.
+with the session's data cache (conftest's ``data_cache``: prepared once, in process, so the concurrent runs below
+find it ready). In-process tests compose the config with Hydra's compose API and call ``posbench.train.train``
+directly; refusals other than one through a real process go through the CLI's ``main`` in this process (conftest's
+``posbench_here``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from posbench import build, checkpoint, data, train_job, training_state
+# (rows, steps_of and valid_states are also imported from here by tests/test_init_from.py, with cli, start, wait_until)
+from helpers import cli_env, file_states, rows, steps_of, valid_states
+from helpers import compose_train as compose
+from posbench import build, checkpoint, train_job, training_state
 from posbench import train as train_mod
 
 TIMEOUT = 300  # seconds: a CLI run that takes longer is a hang
@@ -31,12 +34,6 @@ RESUME = ["train.steps=16", "train.checkpoint_every=4", "train.threads=1", "trai
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    return env
 
 
 def argv(run: Path, cache: Path, *overrides: str) -> list[str]:
@@ -48,7 +45,7 @@ def start(run: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     """Start a training run in the background; its output goes to ``<run>.out`` beside the run folder."""
     run.parent.mkdir(parents=True, exist_ok=True)
     out = open(run.with_name(run.name + ".out"), "a")
-    proc = subprocess.Popen(argv(run, cache, *overrides), cwd=run.parent, env=_env(), stdout=out,
+    proc = subprocess.Popen(argv(run, cache, *overrides), cwd=run.parent, env=cli_env(), stdout=out,
                             stderr=subprocess.STDOUT, text=True)
     out.close()
     return proc
@@ -60,41 +57,8 @@ def output(run: Path) -> str:
 
 def cli(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     run.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(argv(run, cache, *overrides), cwd=run.parent, env=_env(), capture_output=True,
+    return subprocess.run(argv(run, cache, *overrides), cwd=run.parent, env=cli_env(), capture_output=True,
                           text=True, timeout=TIMEOUT)
-
-
-def rows(run: Path) -> list[dict]:
-    """metrics.jsonl rows; a last line still being written is skipped."""
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
-def steps_of(run: Path) -> list[int]:
-    return [r["step"] for r in rows(run)]
-
-
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def valid_states(run: Path) -> list[int]:
-    """Steps of the training checkpoints whose recorded checksum matches the file."""
-    out = []
-    for path in sorted((run / checkpoint.STATES).glob("step-*.pt")):
-        sha = path.with_name(path.name + ".sha256")
-        if sha.exists() and sha.read_text().strip() == sha256(path):
-            out.append(int(path.stem.split("-")[1]))
-    return out
 
 
 def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = TIMEOUT) -> None:
@@ -106,34 +70,13 @@ def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = TIMEOU
         time.sleep(0.002)
 
 
-def snapshot(folder: Path) -> dict:
-    """{relative path: (mtime_ns, sha256)} of every file under ``folder``."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, sha256(p))
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def compose(cache: Path, *overrides: str):
-    from hydra import compose as hydra_compose, initialize_config_module
-
-    from posbench.cli import register
-
-    register()
-    with initialize_config_module("posbench.conf", version_base="1.3"):
-        return hydra_compose("train", overrides=["debug=fast", f"data.cache_dir={cache}", *overrides])
-
-
 # ---- fixtures ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The data cache, prepared here (in-process) so the concurrent runs below find it ready."""
-    from posbench.config import to_dict
-
-    root = tmp_path_factory.getbasetemp() / "posbench-data"  # the same folder in test_ddp: built once a session
-    root.mkdir(exist_ok=True)
-    data.prepare(**to_dict(compose(root))["data"])
-    return root
+def cache(data_cache) -> Path:
+    """The session's data cache (conftest: prepared once)."""
+    return data_cache
 
 
 class Background:
@@ -298,15 +241,16 @@ def test_latest_state_skips_a_corrupt_newest_checkpoint(run12, tmp_path, caplog,
     assert len(warnings) == 1 and str(newest) in warnings[0].getMessage()
 
 
-def test_resume_falls_back_past_a_corrupt_checkpoint(run12, cache, tmp_path):
+def test_resume_falls_back_past_a_corrupt_checkpoint(run12, cache, tmp_path, caplog, torch_state):
+    """The run's own command again, its job run in this process (what it logs captured)."""
     run = tmp_path / "run"
     shutil.copytree(run12, run)
     newest = run / checkpoint.STATES / "step-00000012.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    proc = cli(run, cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=3",
-               "train.threads=1", *EVAL)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout + proc.stderr
+    cfg = compose(cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=3", "train.threads=1", *EVAL)
+    with caplog.at_level(logging.INFO, logger="posbench"):
+        assert train_mod.train(train_job.prepare(cfg, run))["status"] == "complete"
+    text = caplog.text
     assert "step-00000012.pt is corrupt" in text
     assert "resumed from the checkpoint at step 8" in text
     assert json.loads((run / "results.json").read_text())["resumed_from"] == 8
@@ -319,17 +263,19 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(run12, cache, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def refused(uninterrupted, cache, tmp_path_factory):
+def changed_config(uninterrupted, cache, tmp_path_factory):
+    """The resume command with train.lr and model.d_ff changed, run in a real process in a copy of run A:
+    (process, file_states before, file_states after)."""
     run = tmp_path_factory.mktemp("refused") / "run"
     shutil.copytree(uninterrupted.result(), run)
     time.sleep(0.01)  # any rewrite now gets a later mtime
-    before = snapshot(run)
+    before = file_states(run)
     proc = cli(run, cache, *RESUME, "train.lr=0.001", "model.d_ff=256")
-    return proc, before, snapshot(run)
+    return proc, before, file_states(run)
 
 
-def test_changed_config_exits_2_with_one_line(refused):
-    proc, _, _ = refused
+def test_changed_config_exits_2_with_one_line(changed_config):
+    proc, _, _ = changed_config
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -337,41 +283,45 @@ def test_changed_config_exits_2_with_one_line(refused):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_changed_config_leaves_the_run_folder_untouched(refused):
-    _, before, after = refused
+def test_changed_config_leaves_the_run_folder_untouched(changed_config):
+    _, before, after = changed_config
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert changed == [], f"the refused run rewrote: {changed}"
 
 
 @pytest.mark.parametrize("steps", [12, 18])
-def test_changing_the_step_count_is_refused(steps, uninterrupted, cache, tmp_path):
+def test_changing_the_step_count_is_refused(steps, uninterrupted, cache, tmp_path, posbench_here):
     """train.steps is not resumable: the learning-rate schedule is a function of it, so a 16-step run
-    continued as 12 or 18 steps would splice two cosine schedules. Refused, naming both numbers."""
+    continued as 12 or 18 steps would splice two cosine schedules. Refused, naming both numbers (checked in this
+    process: the refusal through a real process is the changed config's above)."""
     run = tmp_path / "run"
     shutil.copytree(uninterrupted.result(), run)
     time.sleep(0.01)
-    before = snapshot(run)
-    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("train.steps=")], f"train.steps={steps}")
+    before = file_states(run)
+    proc = posbench_here("train", "debug=fast", f"hydra.run.dir={run}", f"data.cache_dir={cache}",
+                         *[o for o in RESUME if not o.startswith("train.steps=")], f"train.steps={steps}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("posbench: error: "), proc.stderr
     message = lines[0].replace(str(run), "<run>")
     assert "train.steps" in message and f"={steps}" in message and "16" in message, message
-    assert snapshot(run) == before
+    assert file_states(run) == before
 
 
-def test_changing_resumable_keys_resumes(run12, cache, tmp_path):
+def test_changing_resumable_keys_resumes(run12, cache, tmp_path, caplog, torch_state):
     """A run stopped after its step-8 checkpoint, re-run with other resumable settings (log_every,
-    keep_checkpoints): it resumes at step 8 and trains steps 9-12 exactly as the run straight through did."""
+    keep_checkpoints): it resumes at step 8 and trains steps 9-12 exactly as the run straight through did (the job
+    run in this process, what it logs captured)."""
     run = tmp_path / "run"
     shutil.copytree(run12, run)
     for name in ("step-00000012.pt", "step-00000012.pt.sha256"):
         (run / checkpoint.STATES / name).unlink()
-    proc = cli(run, cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2",
-               "train.log_every=3", "train.threads=1", *EVAL)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resumed from the checkpoint at step 8" in proc.stdout + proc.stderr
+    cfg = compose(cache, "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2", "train.log_every=3",
+                  "train.threads=1", *EVAL)
+    with caplog.at_level(logging.INFO, logger="posbench"):
+        assert train_mod.train(train_job.prepare(cfg, run))["status"] == "complete"
+    assert "resumed from the checkpoint at step 8" in caplog.text
     assert json.loads((run / "results.json").read_text())["resumed_from"] == 8
     assert steps_of(run) == list(range(1, 13))
     assert [(r["loss"], r["grad_norm"]) for r in rows(run)] == [(r["loss"], r["grad_norm"]) for r in rows(run12)]
@@ -386,13 +336,14 @@ def _strict_json(path: Path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-def test_rerunning_a_finished_run_re_evaluates_without_training(uninterrupted, cache, tmp_path):
-    """eval.* may change on resume: a finished run folder re-evaluated at a new length, no step trained."""
+def test_rerunning_a_finished_run_re_evaluates_without_training(uninterrupted, cache, tmp_path, torch_state):
+    """eval.* may change on resume: a finished run folder re-evaluated at a new length, no step trained (the job
+    run in this process)."""
     a = uninterrupted.result()
     run = tmp_path / "run"
     shutil.copytree(a, run)
-    proc = cli(run, cache, *[o for o in RESUME if not o.startswith("eval.lengths")], "eval.lengths=[32,64,128]")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = compose(cache, *[o for o in RESUME if not o.startswith("eval.lengths")], "eval.lengths=[32,64,128]")
+    assert train_mod.train(train_job.prepare(cfg, run))["status"] == "complete"
     assert (run / "metrics.jsonl").read_text() == (a / "metrics.jsonl").read_text()
     before, after = _strict_json(a / "results.json"), _strict_json(run / "results.json")
     assert after["lengths"] == [32, 64, 128] and after["resumed_from"] == 16
@@ -499,7 +450,7 @@ def _state(step: int) -> dict:
 @pytest.mark.parametrize("step", [8, 4], ids=["new-step", "same-step"])
 def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, step):
     first = checkpoint.save_state(tmp_path, _state(4), keep=2)
-    before = snapshot(tmp_path)
+    before = file_states(tmp_path)
 
     def broken_save(obj, f, *args, **kwargs):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -509,7 +460,7 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatc
     with pytest.raises(checkpoint.CheckpointError, match="No space left"):
         checkpoint.save_state(tmp_path, _state(step), keep=2)
     monkeypatch.undo()
-    assert snapshot(tmp_path) == before  # nothing new, no temporary file left behind
+    assert file_states(tmp_path) == before  # nothing new, no temporary file left behind
     assert valid_states(tmp_path) == [4]
     state = checkpoint.latest_state(tmp_path)
     assert state["step"] == 4 and torch.equal(state["model"]["w"], _state(4)["model"]["w"])

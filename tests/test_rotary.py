@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from helpers import rope_tables, yarn_frequencies
 from posbench.build import build_model
 from posbench.schemes import build_scheme
 from posbench.schemes.rotary import RoPE
@@ -38,23 +39,9 @@ def theta(i, base=10000.0, dh=DH):
     return base ** (-2 * i / dh)
 
 
-def expected_tables(positions, angle, mscale=1.0, dh=DH):
-    """(cos, sin) float64 (T, Dh) as :meth:`RoPE.rotation` lays them out: column i and i + Dh/2 hold pair i,
-    the sine's first half negated; ``angle(p, i)`` is the method's angle of pair i at position p."""
-    half = dh // 2
-    cos = [[0.0] * dh for _ in positions]
-    sin = [[0.0] * dh for _ in positions]
-    for t, p in enumerate(positions):
-        for i in range(half):
-            a = angle(p, i)
-            cos[t][i] = cos[t][i + half] = mscale * math.cos(a)
-            sin[t][i], sin[t][i + half] = -mscale * math.sin(a), mscale * math.sin(a)
-    return torch.tensor(cos, dtype=torch.float64), torch.tensor(sin, dtype=torch.float64)
-
-
 def check_tables(rope, positions, angle, mscale=1.0):
     cos, sin = rope.rotation(torch.tensor(positions), torch.float64)
-    want_cos, want_sin = expected_tables(positions, angle, mscale)
+    want_cos, want_sin = rope_tables(positions, angle, mscale)
     assert_close(cos, want_cos, rtol=0, atol=1e-9)
     assert_close(sin, want_sin, rtol=0, atol=1e-9)
 
@@ -335,34 +322,14 @@ def test_xpos_options_are_checked():
 # ---- YaRN's ramp as the reference code and HF compute it (the default) ----------------------------
 
 
-def reference_yarn_frequencies(dim, s, L, beta_fast=32.0, beta_slow=1.0, base=10000.0):
-    """The inverse frequencies of the YaRN reference code (jquesnelle/yarn: ``find_correction_dim``,
-    ``find_correction_range``, ``linear_ramp_mask``; HF's ``_compute_yarn_parameters`` with truncate=True),
-    restated here in python math: the pair whose angle turns r times over L is d·ln(L/(2π·r)) / (2·ln base); the ramp
-    runs linearly in the pair index from ⌊that of β_fast⌋ (kept) to ⌈that of β_slow⌉ (interpolated by s)."""
-    def pair(rotations):
-        return dim * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    out = []
-    for i in range(dim // 2):
-        extrapolation = 1.0 / base ** (2 * i / dim)
-        interpolation = 1.0 / (s * base ** (2 * i / dim))
-        extrapolation_weight = 1 - min(1.0, max(0.0, (i - low) / (high - low)))
-        out.append(interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight)
-    return out
-
-
 @pytest.mark.parametrize("s, L", [(4.0, 128), (16.0, 128), (2.0, 512), (8.0, 64)])
 @pytest.mark.parametrize("dh", [16, 32, 64])
 def test_yarn_default_is_the_reference_codes_ramp(s, L, dh):
     rope = build_scheme("rope", 2 * dh, 2, scaling="yarn", factor=s, original_length=L)
-    want = reference_yarn_frequencies(dh, s, L)
+    want = yarn_frequencies(dh, s, L)
     mscale = 0.1 * math.log(s) + 1
     cos, sin = rope.rotation(torch.tensor(POSITIONS), torch.float64)
-    want_cos, want_sin = expected_tables(POSITIONS, lambda p, i: p * want[i], mscale, dh=dh)
+    want_cos, want_sin = rope_tables(POSITIONS, lambda p, i: p * want[i], mscale, dh=dh)
     assert_close(cos, want_cos, rtol=0, atol=1e-9)
     assert_close(sin, want_sin, rtol=0, atol=1e-9)
 
@@ -372,9 +339,10 @@ def test_the_reference_ramp_on_llama_2_runs_from_pair_20_to_46():
     (the pairs turning 32 and 1 times over 4096 positions are 20.9 and 45.0), so pairs up to 20 keep θ, from 46 on
     they are θ/s, and the ramp between is linear in the pair index."""
     s = 8.0
-    freqs = reference_yarn_frequencies(128, s, 4096)
+    freqs = yarn_frequencies(128, s, 4096)
     theta = [10000.0 ** (-2 * i / 128) for i in range(64)]
-    assert freqs[:21] == pytest.approx(theta[:21], rel=1e-12) and freqs[46:] == pytest.approx([t / s for t in theta[46:]], rel=1e-12)
+    assert freqs[:21] == pytest.approx(theta[:21], rel=1e-12)
+    assert freqs[46:] == pytest.approx([t / s for t in theta[46:]], rel=1e-12)
     assert all(theta[i] / s < freqs[i] < theta[i] for i in range(21, 46))  # inside the ramp: between the two
     rope = build_scheme("rope", 256, 2, scaling="yarn", factor=s, original_length=4096)
     got = rope.rotation(torch.tensor([1]), torch.float64)[0][0, :64] / (0.1 * math.log(s) + 1)  # cos(θ'_i) at p = 1
@@ -402,14 +370,15 @@ def test_the_two_ramps_differ_inside_the_ramp_only():
 
 @pytest.mark.parametrize("options, angle", [
     ({"scaling": "linear", "factor": 4.0, "original_length": 64}, lambda p, i: p / 4.0 * theta(i)),
-    ({"scaling": "ntk", "factor": 4.0, "original_length": 64}, lambda p, i: p * (10000.0 * 4.0 ** (DH / (DH - 2))) ** (-2 * i / DH)),
+    ({"scaling": "ntk", "factor": 4.0, "original_length": 64},
+     lambda p, i: p * (10000.0 * 4.0 ** (DH / (DH - 2))) ** (-2 * i / DH)),
     ({"scaling": "yarn", "factor": 4.0, "original_length": 64}, None),
 ])
 def test_xpos_takes_the_scalings_of_rope(options, angle):
     """xPos with a scaling: the scaled angle of RoPE's method on each pair, times xPos's decay, times YaRN's
     √(1/t) on the tables where it applies; computed per position and pair in python math."""
     if angle is None:
-        freqs = reference_yarn_frequencies(DH, 4.0, 64)
+        freqs = yarn_frequencies(DH, 4.0, 64)
         angle = lambda p, i: p * freqs[i]  # noqa: E731
     mscale = 0.1 * math.log(4.0) + 1 if options["scaling"] == "yarn" else 1.0
     xpos = build_scheme("xpos", 2 * DH, 2, **options)
@@ -426,7 +395,8 @@ def test_xpos_takes_the_scalings_of_rope(options, angle):
                 a = angle(t, i)
                 x1, x2 = x[0, 0, t, i].item(), x[0, 0, t, i + half].item()
                 assert out[0, 0, t, i].item() == pytest.approx(scale * (x1 * math.cos(a) - x2 * math.sin(a)), rel=1e-9, abs=1e-12)
-                assert out[0, 0, t, i + half].item() == pytest.approx(scale * (x2 * math.cos(a) + x1 * math.sin(a)), rel=1e-9, abs=1e-12)
+                assert out[0, 0, t, i + half].item() == pytest.approx(scale * (x2 * math.cos(a) + x1 * math.sin(a)),
+                                                                      rel=1e-9, abs=1e-12)
 
 
 def test_xpos_without_a_scaling_is_xpos_before_scalings_existed():
@@ -500,7 +470,7 @@ def test_partial_rotary_scores_depend_on_relative_position_and_take_the_scalings
         assert_close(score(305, 300), score(5, 0))
     # with a scaling, the rotated part uses the method's frequencies of a d-wide RoPE (d = 8 of Dh = 16)
     rope = scheme(rotary_fraction=0.5, scaling="yarn", factor=4.0, original_length=64)
-    freqs = reference_yarn_frequencies(8, 4.0, 64)
+    freqs = yarn_frequencies(8, 4.0, 64)
     cos, _ = rope.rotation(torch.tensor([3]), torch.float64)
     assert_close(cos[0, :4], torch.tensor([(0.1 * math.log(4.0) + 1) * math.cos(3 * f) for f in freqs], dtype=torch.float64))
 

@@ -1,5 +1,6 @@
 """Rotary options from the command line, each checked against a model whose rotation is written here from its paper
-with python math (no code of posbench's schemes), loaded with the run's trained weights:
+with python math (no code of posbench's schemes), loaded with the run's trained weights (the command lines' jobs run
+in this process: helpers.train_here, helpers.eval_here):
 
 * ``posbench train scheme=rope scheme.rotary_fraction=0.25``: GPT-NeoX's partial rotary, trained and evaluated;
 * ``posbench eval run=<an xpos run> scheme.scaling=yarn scheme.factor=4``: YaRN (the reference code's ramp) on xPos.
@@ -9,28 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from posbench import data
-from posbench.evaluate import evaluate
-from posbench.model import GPT
-
-from conftest import cli_env
-from test_rotary import reference_yarn_frequencies
+from helpers import eval_here, nll_with_scheme, train_here, yarn_frequencies
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
-
-
-def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 class NaiveRotary(torch.nn.Module):
@@ -77,48 +63,26 @@ class NaiveRotary(torch.nn.Module):
         return score
 
 
-def naive_model(state: dict, scheme: NaiveRotary) -> GPT:
-    m = state["spec"]["model"]
-    model = GPT(state["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
-                scale_embeddings=m["scale_embeddings"])
-    model.load_state_dict(state["model"])
-    return model.eval()
-
-
-def naive_nll(folder: Path, record: dict, scheme: NaiveRotary) -> list[float]:
-    state = torch.load(folder / "checkpoint.pt", weights_only=True)
-    tokens = data.prepare(**record["config"]["data"]).tokens["validation"]
-    return [r["nll"] for r in evaluate(naive_model(state, scheme), tokens, [32, 64], max_tokens=256)]
-
-
-@pytest.fixture(scope="module")
-def places(tmp_path_factory):
-    return tmp_path_factory.mktemp("rotary-cli-cache"), tmp_path_factory.mktemp("rotary-cli-cwd")
-
-
-def test_partial_rotary_trains_from_the_command_line_as_gpt_neox_rotates(places, tmp_path):
-    cache, cwd = places
+def test_partial_rotary_trains_from_the_command_line_as_gpt_neox_rotates(data_cache, tmp_path, torch_state):
     run = tmp_path / "partial"
-    posbench("train", "debug=fast", "scheme=rope", "scheme.rotary_fraction=0.25", *EVAL, f"hydra.run.dir={run}",
-             f"data.cache_dir={cache}", cwd=cwd)
+    assert train_here(data_cache, run, "scheme=rope", "scheme.rotary_fraction=0.25", *EVAL)["status"] == "complete"
     rec = json.loads((run / "results.json").read_text())
     assert rec["label"] == "rope+partial0.25" and rec["config"]["scheme"]["rotary_fraction"] == 0.25
     dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]  # 32: d = 8 dimensions turn
     d = 2 * max(1, int(0.25 * dh) // 2)
-    want = naive_nll(run, rec, NaiveRotary(d, [10000.0 ** (-2 * i / d) for i in range(d // 2)]))
+    want = nll_with_scheme(run, rec, NaiveRotary(d, [10000.0 ** (-2 * i / d) for i in range(d // 2)]))
     assert [r["nll"] for r in rec["results"]] == pytest.approx(want, rel=1e-5)
 
 
-def test_yarn_on_an_xpos_run_from_the_command_line(places, tmp_path):
-    cache, cwd = places
+def test_yarn_on_an_xpos_run_from_the_command_line(data_cache, tmp_path, torch_state):
     run = tmp_path / "xpos"
-    posbench("train", "debug=fast", "scheme=xpos", *EVAL, f"hydra.run.dir={run}", f"data.cache_dir={cache}", cwd=cwd)
-    posbench("eval", f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4", cwd=cwd)
+    assert train_here(data_cache, run, "scheme=xpos", *EVAL)["status"] == "complete"
+    assert eval_here(f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4")["results"]
     rec = json.loads((run / "eval-xpos+yarnx4-nonoverlapping-validation-1.json").read_text())
     assert rec["label"] == "xpos+yarn×4" and rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0,
                                                                          "original_length": 32}
     trained = json.loads((run / "results.json").read_text())
     assert all(a != b for a, b in zip((r["nll"] for r in rec["results"]), (r["nll"] for r in trained["results"])))
     dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]
-    scheme = NaiveRotary(dh, reference_yarn_frequencies(dh, 4.0, 32), 0.1 * math.log(4.0) + 1, xpos=(0.4, 512.0))
-    assert [r["nll"] for r in rec["results"]] == pytest.approx(naive_nll(run, rec, scheme), rel=1e-5)
+    scheme = NaiveRotary(dh, yarn_frequencies(dh, 4.0, 32), 0.1 * math.log(4.0) + 1, xpos=(0.4, 512.0))
+    assert [r["nll"] for r in rec["results"]] == pytest.approx(nll_with_scheme(run, rec, scheme), rel=1e-5)

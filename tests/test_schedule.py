@@ -7,8 +7,8 @@ import json
 import math
 
 import pytest
-from test_refusals import refused, run_into, snapshot
 
+from helpers import refused, run_into, snapshot, train_here
 from posbench.optim import lr_factor
 
 LR, MIN_LR = 2e-3, 2e-4  # the defaults
@@ -34,19 +34,19 @@ def test_constant_is_warmup_then_the_full_rate(step):
     assert lr_factor(step, 5, 100, MIN_LR / LR, "constant") == expected
 
 
-def test_a_run_logs_its_schedules_rates(run_cli, data_cache, trained_run, tmp_path):
-    """debug=fast (4 steps, warmup 1): the default run logs the cosine's rates, a constant one lr after step 1."""
+def test_a_run_logs_its_schedules_rates(data_cache, trained_run, tmp_path, torch_state):
+    """debug=fast (4 steps, warmup 1): the default run logs the cosine's rates, a constant one lr after step 1 (this
+    one trained in this process)."""
     logged = [json.loads(line)["lr"] for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert logged == pytest.approx([cosine(s, 1, 4) for s in range(4)], rel=1e-12)
     run = tmp_path / "constant"
-    proc = run_into(run_cli, data_cache, run, "train.schedule=constant", "train.warmup_steps=2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert train_here(data_cache, run, "train.schedule=constant", "train.warmup_steps=2")["status"] == "complete"
     logged = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged == [LR / 2, LR, LR, LR]
     assert json.loads((run / "results.json").read_text())["config"]["train"]["schedule"] == "constant"
 
 
-def test_an_unknown_schedule_is_refused(run_cli, data_cache, existing_run):
+def test_an_unknown_schedule_is_refused(posbench_here, data_cache, existing_run):
     before = snapshot(existing_run)
-    message = refused(run_into(run_cli, data_cache, existing_run, "train.schedule=linear"), existing_run, before)
+    message = refused(run_into(posbench_here, data_cache, existing_run, "train.schedule=linear"), existing_run, before)
     assert "train.schedule='linear'" in message and "cosine, constant" in message

@@ -40,7 +40,8 @@ import pytest
 
 submitit = pytest.importorskip("submitit")
 
-from posbench import checkpoint, data  # noqa: E402
+from helpers import cli_env  # noqa: E402
+from posbench import checkpoint  # noqa: E402
 
 TIMEOUT = 300  # seconds: a job or CLI run that takes longer is a hang
 STEPS = 40
@@ -48,7 +49,7 @@ ARGS = ["debug=fast", f"train.steps={STEPS}", "train.checkpoint_every=0", "train
         "seed=0", "eval.lengths=[32,64]", "eval.max_tokens=256"]
 
 
-# ---- helpers (pickled by value with the job's callable: the task cannot import test_resume's copies) ----
+# ---- helpers (pickled by value with the job's callable: the task cannot import tests/helpers.py's copies) ----
 
 
 def journal(path: Path) -> list[dict]:
@@ -111,31 +112,10 @@ class PosbenchTrain(submitit.helpers.Checkpointable):
         return super().checkpoint(argv)
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _compose(cache: Path):
-    from hydra import compose, initialize_config_module
-
-    from posbench.cli import register
-
-    register()
-    with initialize_config_module("posbench.conf", version_base="1.3"):
-        return compose("train", overrides=["debug=fast", f"data.cache_dir={cache}"])
-
-
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The data cache, prepared here so the job and the reference run find it ready (test_resume's folder)."""
-    from posbench.config import to_dict
-
-    root = tmp_path_factory.getbasetemp() / "posbench-data"
-    root.mkdir(exist_ok=True)
-    data.prepare(**to_dict(_compose(root))["data"])
-    return root
+def cache(data_cache) -> Path:
+    """The session's data cache (conftest: prepared once), ready for the job and the reference run."""
+    return data_cache
 
 
 def _wait(job, what: str, ready=lambda: False, timeout: float = TIMEOUT) -> None:
@@ -159,7 +139,7 @@ def test_sigusr2_under_submitit_checkpoints_requeues_and_resumes_bit_identically
     overrides = [*ARGS, f"data.cache_dir={cache}"]
     ref_dir, run = tmp_path / "uninterrupted", tmp_path / "job-run"
     reference = subprocess.Popen([sys.executable, "-m", "posbench", "train", *overrides, f"hydra.run.dir={ref_dir}"],
-                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                 env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
     # timeout_min: SignalHandler.has_timed_out is then False, so this is a preemption (countdown not spent);
     # the controller's own timeout signal would come after 59.5 min: the signal below is the only one
@@ -201,7 +181,7 @@ def test_sigusr2_under_submitit_checkpoints_requeues_and_resumes_bit_identically
     assert 3 <= stopped < STEPS
     assert handled["states"] == [stopped], handled  # checkpoint_every=0: the only state is the signal's
     caller = handled["caller"]
-    assert handled["handler_found"] and caller and caller["function"] == "train", handled
+    assert handled["handler_found"] and caller and caller["function"] == "hand_off", handled  # (train's hand-off)
     assert Path(caller["file"]).parts[-2:] == ("posbench", "train.py"), caller
     print(f"\nsignal handled after step {stopped}; submitit's handler called from posbench/train.py: {caller['line']}")
 

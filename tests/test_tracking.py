@@ -9,14 +9,15 @@ than a header is padding — whose payloads are serialized ``wandb_internal_pb2.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
+
+from helpers import cli_env, ok
+from helpers import posbench as run_posbench
 
 BLOCK, HEADER = 32 * 1024, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -98,17 +99,13 @@ def wandb_file(folder: Path) -> Path:
 
 
 def posbench(*args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR", "WANDB_DIR")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    """``python -m posbench *args`` with wandb offline (it writes its .wandb file), checked to exit 0."""
+    return ok(run_posbench(*args, cwd=cwd, env=cli_env(WANDB_MODE="offline")))
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tracking-cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 STEPS = 48  # enough history (~0.6 KiB a step) for a .wandb file of more than one 32 KiB block
