@@ -41,12 +41,18 @@ def argv(run: Path, cache: Path, *overrides: str) -> list[str]:
             f"data.cache_dir={cache}", *overrides]
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before it runs: SIGINT's default action, as a command started from a terminal has it (pytest
+    started as a background job, ``… &`` in a script, passes SIGINT on ignored, and posbench keeps it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(run: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     """Start a training run in the background; its output goes to ``<run>.out`` beside the run folder."""
     run.parent.mkdir(parents=True, exist_ok=True)
     out = open(run.with_name(run.name + ".out"), "a")
     proc = subprocess.Popen(argv(run, cache, *overrides), cwd=run.parent, env=cli_env(), stdout=out,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     out.close()
     return proc
 
