@@ -1,4 +1,5 @@
-"""Where a job computes: the torch device a checked ``device`` setting names, and the CPU thread count.
+"""Where a job computes: the torch device a checked ``device`` setting names, the CPU thread count, and whether CPU
+floats below 2^−126 (denormals) are flushed to zero.
 
 Used by ``posbench train`` and ``posbench eval`` alike; the values were checked when the job's config was made
 (``posbench.config.check_device``).
@@ -6,9 +7,12 @@ Used by ``posbench train`` and ``posbench eval`` alike; the values were checked 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+
+_flushing = False  # this process flushes denormals for good (:func:`flush_denormals_from_now`)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -22,3 +26,27 @@ def set_threads(threads: int | None) -> int:
     n = threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(n)
     return n
+
+
+def flush_denormals_from_now(device: str | torch.device) -> None:
+    """On CPU, from now on in this process, float results below 2^−126 (denormals) read and written as 0. A softmax
+    over a long window, or over keys a decaying bias pushes far down (KERPLE power while training, ALiBi's smallest
+    slope at 8192 tokens), has many such terms, exp(s − max) < 1e−38 beside a row sum ≥ 1, and Intel CPUs take a
+    slow microcode path for each one; zeroing them leaves every sum they join unchanged. The setting is per thread
+    (``torch.set_flush_denormal``) and threads inherit it when they start: call this before torch's thread pool
+    starts (the jobs call it where they set the thread count), or the pool's threads keep IEEE's behaviour."""
+    global _flushing
+    if torch.device(device).type == "cpu" and torch.set_flush_denormal(True):
+        _flushing = True
+
+
+@contextlib.contextmanager
+def flush_denormals(device: str | torch.device):
+    """:func:`flush_denormals_from_now` inside the block only, then back to IEEE behaviour; a no-op in a process
+    that flushes for good."""
+    on = not _flushing and torch.device(device).type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_flush_denormal(False)

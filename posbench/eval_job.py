@@ -30,7 +30,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from posbench import build, checkpoint, context, data, dist, passkey, results
 from posbench.config import ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize, scheme_schema, to_dict
-from posbench.device import resolve_device, set_threads
+from posbench.device import flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.inputs import needle_of, prepare_data
 from posbench.schemes import SCHEMES
@@ -111,6 +111,7 @@ def run(job: EvalJob, progress=None) -> dict:
     length is being scored; by default (rank 0) each length is logged to the ``posbench`` logger (the console and
     ``eval.log``) and, on a terminal, counted by a progress bar (:func:`_progress`)."""
     device, threads, e = resolve_device(job.device), set_threads(job.threads), job.config.eval
+    flush_denormals_from_now(device)
     if dist.rank() == 0:
         log.info("evaluating %s (%s): lengths %s, %s%s, %s split (%s), device %s, %d threads", job.label,
                  job.run_dir, ", ".join(map(str, e.lengths)), e.protocol,

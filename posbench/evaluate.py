@@ -16,12 +16,12 @@ Perplexity is exp(total NLL / tokens scored), token-weighted; NLL is in nats per
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 import torch
 
+from posbench.device import flush_denormals
 from posbench.dist import all_reduce_sum
 
 BIN_GROWTH = 1.15  # per-position loss: each bin at most 15% wider than where it starts …
@@ -79,22 +79,6 @@ def position_bins(length: int) -> np.ndarray:
         edges.append(e)
         e = max(e + width, int(e * BIN_GROWTH))
     return np.array(edges)
-
-
-@contextlib.contextmanager
-def flush_denormals(device: str | torch.device):
-    """On CPU, float results below 2^−126 (denormals) read and written as 0 inside the block, then back to IEEE
-    behaviour. A long window's softmax has many such terms, exp(s − max) of the keys a decaying bias pushes far
-    down (ALiBi's smallest slope, 1/256 at 4 heads, puts 4096 keys of each query at 8192 tokens in the denormal
-    range), each a term < 1e−38 beside a row sum ≥ 1, and Intel CPUs take a slow microcode path for every one.
-    The setting is per thread (``torch.set_flush_denormal``): threads torch's pool starts later inherit it, while
-    those it already runs keep their own."""
-    on = torch.device(device).type == "cpu" and torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if on:
-            torch.set_flush_denormal(False)
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from posbench import build, checkpoint, context, dist, lineage, passkey, results
 from posbench.batches import copy_rate, get_batch, random_positions
 from posbench.config import to_dict
-from posbench.device import resolve_device, set_threads
+from posbench.device import flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.optim import Forward, lr_factor, make_optimizer
 from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
@@ -158,11 +158,13 @@ def run_record(job: TrainJob, config: dict, rows: list[dict], extra: dict, progr
 
 def start_process(device: str, threads: int | None, seed: int) -> Process:
     """Join the torchrun process group (if any), take the device and the CPU threads, turn on deterministic
-    algorithms on CPU (bit-exact resume; without NaN-filling every new tensor, which would cost ~5% a step), and
-    seed torch's generator with the run's seed."""
+    algorithms on CPU (bit-exact resume; without NaN-filling every new tensor, which would cost ~5% a step) and
+    flush denormals to zero there (``device.flush_denormals_from_now``), and seed torch's generator with the run's
+    seed."""
     dist.init()
     where = torch.device(dist.device_of(str(resolve_device(device))))
     n = set_threads(threads)
+    flush_denormals_from_now(where)
     if where.type == "cpu":
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False

@@ -25,8 +25,7 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   bf16 autocast it trains under on CUDA; ``--dtype bf16`` is training's autocast), ``--repeats`` times (and
   ≥ 0.5 s) in turn with nope's at that length, after an untimed one whose peak memory growth is kept: on CPU
   in a fresh process per case, the rise of the resident high-water mark (VmHWM, reset via
-  /proc/self/clear_refs) once a 2-token forward took the one-time costs, denormals flushed to zero from the
-  process's start (``posbench.evaluate.flush_denormals``, as posbench evaluates); on CUDA, of
+  /proc/self/clear_refs) once a 2-token forward took the one-time costs; on CUDA, of
   ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes.
 
 ``×nope``: a scheme's median step time over nope's; the median of its forward times over nope's, each over the
@@ -76,7 +75,7 @@ import torch._dynamo
 import posbench
 from posbench.attention import ATTN_SCALES
 from posbench.build import build_model
-from posbench.evaluate import flush_denormals
+from posbench.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES, PositionalScheme
 
 BASELINE = "nope"  # causal SDPA, no positions
@@ -371,11 +370,11 @@ def main(argv=None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    flush_denormals_from_now(args.device)  # on CPU, training and evaluation alike, as posbench's jobs (before the pool)
     bound_recompiles(len(args.schemes))
-    if args.eval_case:  # the child process of one evaluation case, denormals flushed as posbench.evaluate does
+    if args.eval_case:  # the child process of one evaluation case
         scheme, n = args.eval_case.rsplit(":", 1)
-        with flush_denormals(args.device):  # (first: the thread pool, started later, inherits it)
-            print(json.dumps(eval_case(args, scheme, int(n))))
+        print(json.dumps(eval_case(args, scheme, int(n))))
         return None
     L, info, schemes = args.seq_len, machine(args), args.schemes
     print(f"torch {info['torch']}, {info['device']} ({info['cpu']}), {info['threads']} threads, {args.dtype}; "

@@ -5,7 +5,7 @@
 
 The step is posbench/train.py's (``get_batch`` on random tokens, forward with the loss, backward, gradient clipping,
 AdamW from ``make_optimizer``) after two untimed steps, under ``torch.profiler`` for ``--steps`` steps; the evaluation
-is one no-grad forward of batch 1 at ``--eval-length``, denormals flushed as ``posbench.evaluate`` does. Each op's
+is one no-grad forward of batch 1 at ``--eval-length``; denormals are flushed to zero in both, as posbench's jobs do. Each op's
 own CPU time (``self_cpu_time``) is put in a part:
 
 * data: the batch (``get_batch``); optimizer: clipping and ``AdamW.step``;
@@ -37,7 +37,7 @@ from posbench import attention
 from posbench.batches import get_batch
 from posbench.build import build_model
 from posbench.config import TrainConfig
-from posbench.evaluate import flush_denormals
+from posbench.device import flush_denormals_from_now
 from posbench.optim import make_optimizer
 from posbench.schemes import SCHEMES
 
@@ -106,6 +106,7 @@ def shares(prof, phases: tuple[str, ...], D: int, F: int, V: int) -> tuple[dict,
 def main(argv=None) -> None:
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    flush_denormals_from_now("cpu")  # as posbench train and eval (before torch's thread pool starts)
     torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU
     torch.utils.deterministic.fill_uninitialized_memory = False
     D, F, V, L = args.d_model, 4 * args.d_model, args.vocab, args.seq_len
@@ -147,7 +148,7 @@ def main(argv=None) -> None:
 
     model.eval()
     idx = torch.from_numpy(tokens[: args.eval_length + 1].astype(np.int64))[None]
-    with torch.no_grad(), flush_denormals("cpu"):  # as posbench.evaluate scores
+    with torch.no_grad():
         model(idx[:, :-1], targets=idx[:, 1:])  # untimed: one-time costs (and Flex's compilation)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             with record_function("eval"):

@@ -207,14 +207,20 @@ def eval_here(*overrides: str) -> dict:
 
 @contextmanager
 def kept_torch_state():
-    """train() in process sets threads, deterministic mode and the RNG: the block leaves them as it found them."""
+    """train() in process sets threads, deterministic mode, the RNG and the flush of denormals: the block leaves them
+    as it found them."""
+    from posbench import device
+
     threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
+    flushing = device._flushing
     try:
         yield
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(det)
         torch.set_rng_state(rng)
+        device._flushing = flushing
+        torch.set_flush_denormal(flushing)
 
 
 # ---- references written from the papers -----------------------------------------------------------------------

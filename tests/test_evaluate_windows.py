@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from helpers import kept_torch_state
 from posbench.build import build_model
 from posbench.evaluate import evaluate, span, windows
 
@@ -132,9 +133,11 @@ def stream():
 
 
 def naive_nll(model, tokens, n, length, protocol, stride=None):
-    """Total NLL of targets 1…n, each scored from an explicit context window, one target at a time."""
+    """Total NLL of targets 1…n, each scored from an explicit context window, one target at a time (a window's
+    forward pass is run once and its logits kept for the other targets scored from the same window)."""
     tokens = torch.from_numpy(tokens.astype(np.int64))
     total = 0.0
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # (start, end) → the window's logits
     with torch.no_grad():
         for t in range(1, n + 1):
             if protocol == "nonoverlapping":
@@ -149,7 +152,9 @@ def naive_nll(model, tokens, n, length, protocol, stride=None):
                     end = size + math.ceil((t - size) / stride) * stride  # last target of that window
                     start = min(end, n) - size
             end = min(start + length, n)
-            logits = model(tokens[start:end][None])[0, t - 1 - start]
+            if (start, end) not in outputs:
+                outputs[start, end] = model(tokens[start:end][None])[0]
+            logits = outputs[start, end][t - 1 - start]
             total += F.cross_entropy(logits[None], tokens[t][None]).item()
     return total
 
@@ -365,16 +370,37 @@ def test_sharded_windows_come_back_in_order(stream, tmp_path):
             assert_close(got["nll"], want["nll"], rtol=1e-6, atol=0)
 
 
-def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs():
-    """posbench.evaluate.flush_denormals: inside, an fp32 result below 2^−126 reads 0 (Intel CPUs take a slow path for
-    each one, and a long ALiBi window's softmax has thousands per query); outside, IEEE's denormal again."""
-    from posbench.evaluate import flush_denormals
+def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs(monkeypatch):
+    """posbench.device.flush_denormals, as evaluate() scores: inside, an fp32 result below 2^−126 reads 0 (Intel CPUs
+    take a slow path for each one, and a long ALiBi window's softmax has thousands per query); outside, IEEE's
+    denormal again (in a process that does not flush for good)."""
+    from posbench import device
 
+    monkeypatch.setattr(device, "_flushing", False)
+    torch.set_flush_denormal(False)  # (an in-process training run earlier in this session turned it on for good)
     tiny = torch.tensor([1e-30])  # (1e-30 · 1e-10 = 1e-40: a float32 denormal)
     assert (tiny * 1e-10).item() > 0
-    with flush_denormals("cpu"):
+    with device.flush_denormals("cpu"):
         assert (tiny * 1e-10).item() == 0.0
     assert (tiny * 1e-10).item() > 0
+
+
+def test_a_cpu_training_process_flushes_denormals_for_good():
+    """posbench train's process set-up flushes denormals on CPU from then on (KERPLE power's training softmax is full
+    of them), and an evaluation's flush_denormals block inside it does not turn IEEE's behaviour back on."""
+    from posbench import device
+    from posbench.train import start_process
+
+    tiny = torch.tensor([1e-30])  # (1e-30 · 1e-10 = 1e-40: a float32 denormal)
+    with kept_torch_state():
+        device._flushing = False
+        torch.set_flush_denormal(False)
+        assert (tiny * 1e-10).item() > 0
+        start_process("cpu", torch.get_num_threads(), 0)
+        assert (tiny * 1e-10).item() == 0.0
+        with device.flush_denormals("cpu"):
+            pass
+        assert (tiny * 1e-10).item() == 0.0
 
 
 def test_windows_that_miss_targets_raise_a_real_error(monkeypatch):
