@@ -23,7 +23,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   against each query block's middle position as one extra head dimension, in SDPA's fused kernels
   (posbench/blockwise.py).
 * ``banded`` — on CPU without gradients, a bias of the distance alone (``distance_table`` or
-  ``translation_invariant``: T5, KERPLE, Sandwich, ALiBi) in float32/float64: SDPA's fused kernel per block of
+  ``translation_invariant``: T5, KERPLE, Sandwich, ALiBi; FIRE over a window within its threshold,
+  ``invariant_below_limit``) in float32/float64: SDPA's fused kernel per block of
   queries with a float mask that slides along one table per distance; a ``far_constant`` bias's far keys unmasked
   (posbench/blockwise.py).
 * ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
@@ -131,14 +132,15 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     T, device, grad = pos.numel(), pos.device, torch.is_grad_enabled()
     if torch.is_autocast_enabled(device.type):  # q and k will be in the autocast dtype
         dtype = torch.get_autocast_dtype(device.type)
+    per_distance = scheme.distance_table or _invariant_here(scheme, pos, device, grad)  # a table per distance
     if kernel is None:
-        kernel = choose_kernel(scheme, device, dtype, dropout, grad)
+        kernel = choose_kernel(scheme, device, dtype, dropout, grad, per_distance)
         if kernel == "banded" and not _increasing(pos, span):  # (banded's far keys are those far by index)
             kernel = "folded" if scheme.key_only_bias else "dense"
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout)
-    if kernel in ("flex", "dense") and scheme.distance_table or kernel == "banded":
+    if kernel in ("flex", "dense") and per_distance or kernel == "banded":
         ctx.table = distance_table(scheme, pos, dtype, span)  # (H, N)
     if kernel == "flex":
         if flex.flex_attention is None or dropout or (grad and not flex_backward(device)):
@@ -164,7 +166,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             ctx.fold_mask = torch.zeros(Q, T + Q, dtype=dtype, device=device)  # (Q, T+Q)
             ctx.fold_mask[:, T:] = torch.full((Q, Q), float("-inf"), dtype=dtype, device=device).triu(1)
     elif kernel == "banded":
-        if flash_cpu is None or not (scheme.distance_table or scheme.translation_invariant) or not _increasing(pos, span):
+        if flash_cpu is None or not (per_distance or scheme.translation_invariant) or not _increasing(pos, span):
             raise ValueError("the banded kernel needs torch's fused CPU attention, a bias of i − j alone "
                              "(distance_table or translation_invariant) and increasing positions")
         ctx.blocks = [(s, min(T, s + FOLD_QUERIES)) for s in range(0, T, FOLD_QUERIES)]
@@ -181,6 +183,17 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     return ctx
 
 
+def _invariant_here(scheme: PositionalScheme, pos: torch.Tensor, device: torch.device, grad: bool) -> bool:
+    """Whether an ``invariant_below_limit`` bias (FIRE) is a bias of i − j alone over this window, evaluated on CPU:
+    every position and every distance (its table's columns) at most the scheme's :meth:`invariant_limit`. Training
+    keeps the bias of every pair, whose gradients sum in the order the runs recorded so far were trained in; so does a
+    compiled model (the check reads the positions and a learned value on the host)."""
+    if not scheme.invariant_below_limit or grad or device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    top, low = int(pos.max()), int(pos.min())
+    return max(top, top - low) <= scheme.invariant_limit()
+
+
 def _increasing(pos: torch.Tensor, span: int | None) -> bool:
     """Whether the positions (T,) increase: known for the model's default ones (``span`` = T), else read."""
     return span == pos.numel() or bool((pos[1:] > pos[:-1]).all())
@@ -192,9 +205,10 @@ def flex_backward(device: torch.device) -> bool:
 
 
 def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.dtype, dropout: float,
-                  grad: bool) -> str:
+                  grad: bool, per_distance: bool | None = None) -> str:
     """The kernel the module docstring describes for ``scheme`` on ``device`` with activations in ``dtype``,
-    this attention dropout, and gradients on (``grad``) or off."""
+    this attention dropout, and gradients on (``grad``) or off; ``per_distance``: the bias runs from a table per
+    distance (None: ``scheme.distance_table``; :func:`context` also says so of FIRE within its threshold)."""
     if scheme.contextual:
         return "contextual"
     if not scheme.has_bias:
@@ -202,7 +216,8 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
     fused = flex.flex_attention is not None and not dropout
     if device.type == "cuda" and fused:
         return "flex"
-    wide, relative = dtype in (torch.float32, torch.float64), scheme.distance_table or scheme.translation_invariant
+    per_distance = scheme.distance_table if per_distance is None else per_distance
+    wide, relative = dtype in (torch.float32, torch.float64), per_distance or scheme.translation_invariant
     if device.type == "cpu" and relative and not grad and not dropout and wide and flash_cpu is not None:
         return "banded"
     if device.type == "cpu" and scheme.key_only_bias and wide:
@@ -244,7 +259,7 @@ def _dense(q, k, v, ctx: Context) -> torch.Tensor:
     H, T = q.shape[1], q.shape[2]
     out = []
     for i, (s, e) in enumerate(ctx.blocks if ctx.kernel == "dense" else _dense_blocks(T, H)):
-        table = ctx.table if ctx.scheme.distance_table else None  # (a flex context's (H, T, T) bias is not one)
+        table = ctx.table if ctx.table is not None and ctx.table.dim() == 2 else None  # (not a flex (H, T, T) bias)
         mask = ctx.masks[i] if ctx.masks else dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, table)  # (H, e-s, e)
         out.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], dropout_p=ctx.dropout,
                                                   attn_mask=mask.to(q.dtype)[None]))  # (B, H, e-s, Dh)

@@ -53,9 +53,9 @@ def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dty
 def dense_mask(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, s: int, e: int,
                dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
     """Bias plus causal mask of queries s…e−1 against keys 0…e−1: (H, e − s, e) in ``dtype``, −inf where the
-    key comes after the query (by index). The bias is ``scheme.pair_bias`` of those positions, or, for a
-    ``distance_table`` scheme, its :func:`distance_table` (``table``, or built here) indexed by i − j."""
-    if scheme.distance_table:
+    key comes after the query (by index). The bias is ``scheme.pair_bias`` of those positions, or a per-distance
+    ``table`` (H, N) indexed by i − j (a ``distance_table`` scheme's :func:`distance_table`, built here if not given)."""
+    if table is not None or scheme.distance_table:
         table = distance_table(scheme, pos, dtype) if table is None else table  # (H, N)
         bias = table[:, distances(table, pos[s:e, None], pos[None, :e])]  # (H, e-s, e)
     else:

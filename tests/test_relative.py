@@ -187,7 +187,9 @@ def test_attention_matches_float64_reference(name, T, kernel):
     pos = torch.arange(T)
     with torch.no_grad():
         y, used = run(s, q, k, v, pos, kernel)
-        assert used == (kernel or attention.choose_kernel(s, torch.device("cpu"), torch.float32, 0.0, False))
+        within = name == "fire" and T - 1 <= L  # FIRE's every query within its threshold: a bias of i − j alone
+        assert used == (kernel or ("banded" if within else attention.choose_kernel(s, torch.device("cpu"), torch.float32,
+                                                                                   0.0, False)))
         assert_close(y.double(), reference(name, s, q, k, v, pos), **TOL)
 
 
@@ -202,6 +204,28 @@ def test_the_model_s_kernel_choice(name):
         assert evaluation == "banded"
     else:
         assert evaluation == ("flex" if flex.flex_attention is not None and attention._flex_cpu_works else "dense")
+
+
+@pytest.mark.parametrize("multiplier, kernel", [(1.0, "banded"), (0.5, "flex")])
+def test_fire_within_its_learned_threshold_is_evaluated_from_a_table_per_distance(multiplier, kernel, monkeypatch):
+    """CPU evaluation of a FIRE window whose positions all lie at or below L_thr = |m·L₀| (every query normalised by
+    ψ(L_thr)): the banded kernel, blocks of 5 queries, positions 0…T−1 + 9, equal to the float64 reference. With the
+    learned multiplier at 0.5 the same window crosses L_thr and keeps the bias of every pair; with gradients (training)
+    it keeps it too."""
+    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+    s = make_scheme("fire", threshold=4 * L)
+    with torch.no_grad():
+        s.multiplier.fill_(multiplier)
+    T = 3 * L
+    q, k, v = qkv(T, seed=13)
+    pos = torch.arange(T) + 9  # the last position, 3L + 8, is within 4L and past 2L
+    with torch.no_grad():
+        ctx = attention.context(s, pos, H, q.dtype)
+        y = attention.attend(q, k, v, ctx)
+    flex_or_dense = "flex" if flex.flex_attention is not None and attention._flex_cpu_works else "dense"
+    assert ctx.kernel == (kernel if kernel == "banded" else flex_or_dense)
+    assert_close(y.double(), reference("fire", s, q, k, v, pos), **TOL)
+    assert attention.context(s, pos, H, q.dtype).kernel == "dense"  # gradients on: the bias of every pair
 
 
 @pytest.mark.parametrize("positions", ["offset", "random"])

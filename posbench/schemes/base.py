@@ -74,6 +74,10 @@ class PositionalScheme(nn.Module):
             ALiBi, whose bias is one multiply.
         translation_invariant: the bias is a function of the head and the distance i − j alone (ALiBi; every
             ``distance_table`` scheme is too): CPU evaluation runs it through the ``banded`` kernel. False here.
+        invariant_below_limit: the bias is a function of the head and i − j alone for every query position up to
+            :meth:`invariant_limit`, a learned value (FIRE: its threshold L_thr, below which every query's normaliser
+            is the same): CPU evaluation of a window whose positions all lie in that range builds the per-distance
+            table once per forward pass and runs it as a ``distance_table`` bias (the ``banded`` kernel). False here.
         far_constant: a ``distance_table`` bias that is the same for every distance from :attr:`far_distance` on
             (T5 past ``max_distance``): CPU evaluation then attends to those keys without a bias and adds the
             head's constant to their log-sum-exp (the ``banded`` kernel). False here.
@@ -92,6 +96,7 @@ class PositionalScheme(nn.Module):
     key_only_bias: bool = False
     distance_table: bool = False
     translation_invariant: bool = False
+    invariant_below_limit: bool = False
     far_constant: bool = False
     contextual: bool = False
     weight_decay: bool = False
@@ -213,6 +218,11 @@ class PositionalScheme(nn.Module):
         zero = torch.zeros((), dtype=dtype, device=q_pos.device)
         bias = self.score_mod(zero, heads, q_pos[None, :, None], k_pos[None, None, :])  # (H, Tq, Tk) or broadcastable
         return bias.expand(self.n_head, q_pos.numel(), k_pos.numel())
+
+    def invariant_limit(self) -> float:
+        """The last query position up to which the bias is a function of the head and i − j alone, read where
+        ``invariant_below_limit`` is set (a host read of learned parameters); −inf here."""
+        return -math.inf
 
     def contextual_bias(self, q: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The bias a contextual scheme adds to the scores of one block of queries, before the softmax: zeros here.

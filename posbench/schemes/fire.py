@@ -3,12 +3,14 @@ for relative positions"; registered as ``fire``.
 
 With i the query position and j the key position (j ≤ i: the attention's causal mask removes the rest), h a head,
 ``score_mod`` adds the MLP's output for head h, its hidden layer unrolled in Python (a sum of ``mlp_width`` pointwise
-terms) for FlexAttention's 0-d calls; ``pair_bias`` computes the same bias for blocks of (query, key) pairs as matmuls,
-for the dense kernel and for the (H, T, T) table through which Flex trains it (one indexing op). The bias
-depends on i, not only on i − j. Its parameters are initialised here (the model does not re-initialise
-``scheme.*``). As its reference code, FIRE is built once per attention layer with its threshold starting at 512
-(``per_layer=true``, ``threshold=512``); ``per_layer=false threshold=null`` is posbench's earlier FIRE (one for
-every layer, the threshold starting at the train length L), bit for bit.
+terms) for FlexAttention's 0-d calls; ``pair_bias`` computes the same bias for blocks of (query, key) pairs as
+matmuls, for the dense kernel and for the (H, T, T) table through which Flex trains it (one indexing op). The bias
+depends on i, not only on i − j, except below the threshold L_thr, where every query has the normaliser ψ(L_thr)
+(``invariant_below_limit``): CPU evaluation of a window within it runs from a table per distance, as T5's. Its
+parameters are initialised here (the model does not re-initialise ``scheme.*``). As its reference code, FIRE is built
+once per attention layer with its threshold starting at 512 (``per_layer=true``, ``threshold=512``); ``per_layer=false
+threshold=null`` is posbench's earlier FIRE (one for every layer, the threshold starting at the train length L), bit
+for bit.
 
     from posbench.schemes import build_scheme
     fire = build_scheme("fire", d_model=128, n_head=4)                                  # one layer's FIRE
@@ -50,6 +52,7 @@ class Fire(PositionalScheme):
     """
 
     has_bias = True
+    invariant_below_limit = True  # queries i ≤ L_thr share the normaliser ψ(L_thr): a bias of i − j alone there
     # Not decayed: the scheme's parameters are c, the threshold multiplier and a 1 → 32 → H MLP of scalar
     # distances; decay would pull c and L_thr towards 0 (a degenerate ψ and normaliser), and the flag is per
     # scheme, not per tensor.
@@ -91,6 +94,11 @@ class Fire(PositionalScheme):
         self.mlp = nn.Sequential(nn.Linear(1, self.config.mlp_width), nn.ReLU(), nn.Linear(self.config.mlp_width, n_head))
         self.c = nn.Parameter(torch.tensor(float(self.config.init_c)))  # ()
         self.multiplier = nn.Parameter(torch.tensor(1.0))  # (): L_thr = |multiplier · threshold|
+
+    def invariant_limit(self) -> float:
+        """L_thr = |multiplier · threshold|, as :meth:`mlp_input` computes it: every query at a position up to it has
+        the normaliser ψ(L_thr), so the bias is f_θ(ψ(i − j) / ψ(L_thr)), a function of i − j alone."""
+        return float((self.multiplier * self.config.threshold).abs())
 
     def mlp_input(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """x = ψ(i − j) / ψ(max(L_thr, i)) for broadcastable int positions (0-d under Flex), in the parameters'
