@@ -218,14 +218,17 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("parent, overrides, message", REFUSALS, ids=[" ".join(r[1]) or r[0] for r in REFUSALS])
-def test_refusals_exit_2_with_nothing_written(run_cli, data_cache, parents, tmp_path, parent, overrides, message):
-
+def test_refusals_exit_2_with_nothing_written(run_cli, posbench_here, data_cache, parents, tmp_path, parent, overrides,
+                                              message):
+    """Each refusal in this process (``posbench_here``), the first also as a process of its own (exit status 2, one
+    line on stderr, no traceback)."""
+    cli = run_cli if (parent, overrides) == REFUSALS[0][:2] else posbench_here
     run = tmp_path / "ft"
     run.mkdir()
     before = snapshot(run)
     source = tmp_path / "nowhere" if parent == "missing" else parents.get(parent)
     given = [f"init_from={source}"] if source else []
-    line = refused(run_into(run_cli, data_cache, run, *given, *FT, *overrides), run, before)
+    line = refused(run_into(cli, data_cache, run, *given, *FT, *overrides), run, before)
     assert re.search(message, line), line
     if parent in parents:  # the parent is untouched too
         assert (parents[parent] / "checkpoint.pt").exists()

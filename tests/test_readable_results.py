@@ -114,10 +114,12 @@ EVAL_REFUSALS = {
 
 
 @pytest.mark.parametrize("case", list(EVAL_REFUSALS))
-def test_bad_eval_overrides_are_refused_with_posbench_s_line(case, run_cli, existing_run):
+def test_bad_eval_overrides_are_refused_with_posbench_s_line(case, run_cli, posbench_here, existing_run):
+    """In this process (``posbench_here``); the first case also as a process of its own."""
     overrides, patterns = EVAL_REFUSALS[case]
+    cli = run_cli if case == next(iter(EVAL_REFUSALS)) else posbench_here
     before = snapshot(existing_run)
-    line = refused(run_cli("eval", f"run={existing_run}", *overrides), existing_run, before)
+    line = refused(cli("eval", f"run={existing_run}", *overrides), existing_run, before)
     assert all(re.search(p, line) for p in patterns), line
 
 
@@ -131,10 +133,12 @@ TRAIN_REFUSALS = {
 
 
 @pytest.mark.parametrize("case", list(TRAIN_REFUSALS))
-def test_bad_train_values_are_refused_with_posbench_s_line(case, run_cli, data_cache, existing_run):
+def test_bad_train_values_are_refused_with_posbench_s_line(case, run_cli, posbench_here, data_cache, existing_run):
+    """In this process (``posbench_here``); the first case also as a process of its own."""
     overrides, patterns = TRAIN_REFUSALS[case]
+    cli = run_cli if case == next(iter(TRAIN_REFUSALS)) else posbench_here
     before = snapshot(existing_run)
-    line = refused(run_into(run_cli, data_cache, existing_run, *overrides), existing_run, before)
+    line = refused(run_into(cli, data_cache, existing_run, *overrides), existing_run, before)
     assert all(re.search(p, line) for p in patterns), line
 
 
