@@ -40,6 +40,7 @@ PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluate.py
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/lineage.py
 SPLITS = ("validation", "test")
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/train.py lr_factor
+PRECISIONS = ("auto", "fp32", "bf16")  # train.precision: posbench.device.autocast_dtype
 PROBES = ("passkey", "context")  # eval.probes
 RESUMES = ("auto", "never")  # resume: auto continues from the run folder's newest valid checkpoint; never starts over
 DEFAULT_SCHEME = "rope"  # a recorded config without scheme.name (train.yaml's default, the old schema's too)
@@ -99,6 +100,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest training checkpoints kept
     check_memory: bool = True  # refuse a run whose estimated step memory exceeds what the device has free
     compile: Optional[bool] = None  # torch.compile the model; None = on CUDA, off on CPU (eager on failure)
+    # training's autocast: auto = bf16 on CUDA, fp32 on CPU; bf16 also on a CPU with native bfloat16 (AVX512-BF16,
+    # AMX); evaluation is fp32 whatever it says
+    precision: str = choices(*PRECISIONS)
     random_positions: Optional[int] = None  # M: train on sorted random positions from [0, M) (Ruoss et al. 2023)
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 

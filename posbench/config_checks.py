@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from posbench import context, passkey
-from posbench.device import resolve_device
+from posbench.device import native_bf16_cpu, resolve_device
 from posbench.schemes import SCHEMES
 
 log = logging.getLogger("posbench")
@@ -125,6 +125,9 @@ def train_values(t: DictConfig, init_from: str | None, training: bool) -> None:
         return
     check_device("train.device", t.device)
     t.compile = compile_default(t.compile, t.device)
+    if t.precision == "bf16" and resolve_device(t.device).type == "cpu" and not native_bf16_cpu():
+        raise ConfigError("train.precision=bf16 but this CPU has no native bfloat16 (AVX512-BF16 or AMX), where bf16 "
+                          "autocast runs slower than float32; choose train.precision=fp32 or auto")
     if 0 < t.steps <= t.warmup_steps:  # (posbench/train.py lr_factor: step i < W takes lr · (i + 1) / W)
         end = (f"reaches train.lr={t.lr:g} only at the last step" if t.steps == t.warmup_steps else
                f"ends at {t.steps}/{t.warmup_steps} of train.lr={t.lr:g}, never reaching it")

@@ -20,6 +20,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), where bf16 autocast can pay."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """Training's autocast dtype for a checked ``train.precision`` on ``device``: bfloat16 for ``bf16``, and for
+    ``auto`` on CUDA; None (float32, no autocast) for ``fp32`` and for ``auto`` on CPU."""
+    return torch.bfloat16 if precision == "bf16" or precision == "auto" and device.type == "cuda" else None
+
+
 def set_threads(threads: int | None) -> int:
     """Set torch's CPU thread count (default: the cores this process may run on, shared among the
     processes torchrun started on this machine); return it."""

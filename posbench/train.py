@@ -32,7 +32,7 @@ from tqdm import tqdm
 from posbench import build, checkpoint, context, dist, lineage, passkey, results
 from posbench.batches import copy_rate, get_batch, random_positions
 from posbench.config import to_dict
-from posbench.device import flush_denormals_from_now, resolve_device, set_threads
+from posbench.device import autocast_dtype, flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.optim import Forward, lr_factor, make_optimizer
 from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
@@ -183,7 +183,8 @@ class Loop:
         self.proc, self.tracker, self.main = proc, tracker, proc.rank == 0
         net = torch.nn.parallel.DistributedDataParallel(model) if proc.world > 1 else model
         self.forward = Forward(net, compile=self.t.compile)
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=proc.device.type == "cuda")
+        dtype = autocast_dtype(self.t.precision, proc.device)  # (train.precision: bf16 on CUDA by default)
+        self.autocast = torch.autocast(proc.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
         self.quiet = not sys.stderr.isatty() or bool(os.environ.get("CI")) or not self.main
         self.probe_every = job.config.eval.probe_every
 

@@ -220,7 +220,7 @@ def test_every_closed_choice_is_declared_on_its_field():
     import dataclasses
 
     from posbench.attention import ATTN_SCALES
-    from posbench.config import INIT_ROWS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.config import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):
@@ -231,13 +231,14 @@ def test_every_closed_choice_is_declared_on_its_field():
 
     assert dict(declared(PosbenchConfig)) == {
         "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
-        "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS}
+        "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS}
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.schedule=cosin"], "train.schedule='cosin' is unknown; choose one of: cosine, constant"),
     (["eval.split=train"], "eval.split='train' is unknown; choose one of: validation, test"),
     (["resume=sometimes"], "resume='sometimes' is unknown; choose one of: auto, never"),
+    (["train.precision=fp16"], "train.precision='fp16' is unknown; choose one of: auto, fp32, bf16"),
     (["init_rows=copy"], "init_rows='copy' is unknown; choose one of: scheme, interpolate"),
     (["model.attn_scale=logn"], "model.attn_scale='logn' is unknown; choose one of: none, log_n, ssmax"),
     (["eval.probes=[passkey,contxt]"], "eval.probes has 'contxt'; the probes: passkey, context"),
