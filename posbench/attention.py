@@ -132,7 +132,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     T, device, grad = pos.numel(), pos.device, torch.is_grad_enabled()
     if torch.is_autocast_enabled(device.type):  # q and k will be in the autocast dtype
         dtype = torch.get_autocast_dtype(device.type)
-    per_distance = scheme.distance_table or _invariant_here(scheme, pos, device, grad)  # a table per distance
+    per_distance = scheme.has_bias and (scheme.distance_table or _invariant_here(scheme, pos, device, grad))  # by i − j
     if kernel is None:
         kernel = choose_kernel(scheme, device, dtype, dropout, grad, per_distance)
         if kernel == "banded" and not _increasing(pos, span):  # (banded's far keys are those far by index)
