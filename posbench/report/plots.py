@@ -113,6 +113,9 @@ def draw(out: Path, train_length: int, tables: list[tuple[str, list[dict], dict]
             ax.plot(xs, ys, **style[setting])
             ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
                             color=style[setting]["color"])
+        low, high = min(r["ppl"] for r in rows), max(r["ppl"] for r in rows)
+        if low == high:  # one value in the panel: a range around it (a log axis cannot span nothing)
+            ax.set_ylim(low / 1.25, high * 1.25)
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
         _panel(ax, train_length, title, "evaluation length (tokens)", "perplexity")
