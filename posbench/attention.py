@@ -12,13 +12,13 @@ The kernel follows from the scheme's class attributes ``contextual``, ``has_bias
 from probing a hook), the device, the dtype, whether gradients are on, and dropout (:func:`choose_kernel`):
 
 * ``causal`` — no bias: ``F.scaled_dot_product_attention(is_causal=True)``.
-* ``flex``   — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias
-  that is neither key-only nor of i − j alone (FIRE): FlexAttention (posbench/flex.py) with a causal BlockMask and a
-  score_mod that looks the bias up in a table built once per forward pass — per distance (H, N) for a
-  ``distance_table`` scheme; per (query, key) pair (H, T, T) for a learned bias of i and j when gradients are on
-  (FIRE) — or, otherwise, the scheme's own ``score_mod``. A table's gradient leaves the kernel through one indexing
-  op and reaches the parameters outside it. On CPU it has no backward; if it fails to compile there, the dense
-  kernel takes over.
+* ``flex`` — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias that is
+  neither key-only nor of i − j alone (FIRE over a window that crosses its threshold): FlexAttention
+  (posbench/flex.py) with a causal BlockMask and a score_mod that looks the bias up in a table built once per forward
+  pass — per distance (H, N) for a ``distance_table`` scheme; per (query, key) pair (H, T, T) for a learned bias of i
+  and j when gradients are on (FIRE) — or, otherwise, the scheme's own ``score_mod``. A table's gradient leaves the
+  kernel through one indexing op and reaches the parameters outside it. On CPU it has no backward; if it fails to
+  compile there, the dense kernel takes over.
 * ``folded`` — a key-only bias (ALiBi) on CPU in float32/float64, in training (it evaluates ``banded``): the bias
   against each query block's middle position as one extra head dimension, in SDPA's fused kernels
   (posbench/blockwise.py).
@@ -87,7 +87,8 @@ class Context:
             in :data:`BIAS_ELEMENTS` (then each layer builds them one block at a time).
         block_mask, score_mod: flex: the causal BlockMask of length T and the score_mod with Flex's signature
             (posbench/flex.py).
-        table: flex and dense, a ``distance_table`` scheme: its bias per distance (H, N) (:func:`distance_table`);
+        table: banded, and flex and dense for a ``distance_table`` scheme (or FIRE within its threshold): the bias
+            per distance (H, N) (:func:`distance_table`);
             flex with gradients, a scheme with learned parameters and no distance table (FIRE): its bias of every
             (query, key) pair (H, T, T), so that Flex's backward indexes each parameter once (Inductor refuses a
             score_mod that indexes a tensor needing gradients twice).

@@ -42,10 +42,10 @@ def distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> 
 
 def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dtype,
                    span: int | None = None) -> torch.Tensor:
-    """The bias of a ``distance_table`` scheme at every distance n = 0…N−1 a window at positions ``pos`` (T,) int64
-    holds, N = ``span`` or max(pos) − min(pos) + 1: ``scheme.pair_bias`` of queries at n against a key at 0 → (H, N), in
-    ``dtype`` or float32 if wider (its gradient reaches the scheme's parameters through autograd, outside any
-    kernel)."""
+    """The bias of a ``distance_table`` scheme (or of FIRE over a window within its threshold) at every distance n =
+    0…N−1 a window at positions ``pos`` (T,) int64 holds, N = ``span`` or max(pos) − min(pos) + 1:
+    ``scheme.pair_bias`` of queries at n against a key at 0 → (H, N), in ``dtype`` or float32 if wider (its
+    gradient reaches the scheme's parameters through autograd, outside any kernel)."""
     n = torch.arange(span or int(pos.max() - pos.min()) + 1, device=pos.device)  # (N,)
     return scheme.pair_bias(n, n[:1], torch.promote_types(dtype, torch.float32))[:, :, 0]  # (H, N)
 
