@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,13 @@ def posbench(*args, cwd: Path, env: dict | None = None, timeout: float = CLI_TIM
     """``python -m posbench *args`` in ``cwd`` (text output captured); its exit status is the caller's to check."""
     return subprocess.run([sys.executable, "-m", "posbench", *map(str, args)], cwd=cwd, env=env or cli_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """``preexec_fn`` of a child the test will Ctrl-C: SIGINT's default action, as a command started from a terminal
+    has it (pytest started as a background job, ``… &`` in a script, passes SIGINT on ignored, and Python and posbench
+    keep an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

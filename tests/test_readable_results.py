@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import CLI_TIMEOUT_S, cli_env
-from helpers import refused, run_into, snapshot, wilson
+from helpers import ctrl_c_as_in_a_terminal, refused, run_into, snapshot, wilson
 
 PROBE = ["eval.probes=[passkey]", "eval.passkey.trials=2", "eval.passkey.depths=[0,1]"]
 
@@ -83,7 +83,7 @@ def test_ctrl_c_during_eval_says_the_evaluation_was_interrupted_and_how_to_rerun
     before = {k: v for k, v in snapshot(existing_run).items() if k != "."}
     proc = subprocess.Popen([sys.executable, "-m", "posbench", "eval", f"run={existing_run}", "device=cpu", "threads=1",
                              "eval.lengths=[32,64,128,256,512,1024]"], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + CLI_TIMEOUT_S
     while not (existing_run / "eval.log").exists():  # Hydra's job has started: the job was prepared, scoring begins
         assert proc.poll() is None, proc.communicate()

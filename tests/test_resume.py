@@ -23,7 +23,7 @@ import pytest
 import torch
 
 # (rows, steps_of and valid_states are also imported from here by tests/test_init_from.py, with cli, start, wait_until)
-from helpers import cli_env, file_states, rows, steps_of, valid_states
+from helpers import cli_env, ctrl_c_as_in_a_terminal, file_states, rows, steps_of, valid_states
 from helpers import compose_train as compose
 from posbench import build, checkpoint, train_job, training_state
 from posbench import train as train_mod
@@ -41,18 +41,12 @@ def argv(run: Path, cache: Path, *overrides: str) -> list[str]:
             f"data.cache_dir={cache}", *overrides]
 
 
-def _ctrl_c_as_in_a_terminal() -> None:
-    """In the child before it runs: SIGINT's default action, as a command started from a terminal has it (pytest
-    started as a background job, ``… &`` in a script, passes SIGINT on ignored, and posbench keeps it ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def start(run: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     """Start a training run in the background; its output goes to ``<run>.out`` beside the run folder."""
     run.parent.mkdir(parents=True, exist_ok=True)
     out = open(run.with_name(run.name + ".out"), "a")
     proc = subprocess.Popen(argv(run, cache, *overrides), cwd=run.parent, env=cli_env(), stdout=out,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_as_in_a_terminal)
     out.close()
     return proc
 
