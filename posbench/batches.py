@@ -1,10 +1,11 @@
 """The training batches: batch i of a run is a pure function of (seed, i, rank), so a resumed run sees the batches an
 uninterrupted one would have, and each curriculum (copy windows, passkey needles with their queries, randomized
-positions: the retrieval curriculum of docs/design.md §6.4) draws from a generator of its own, so switching one on
+positions, PoSE's skips: docs/design.md §6.4, §5.1) draws from a generator of its own, so switching one on
 leaves the others' draws as they were.
 
     x, y = get_batch(tokens, step, seed, batch_size, seq_len, rank)    # (B, L) int64 each, y = x shifted by one
     pos = random_positions(seed, step, rank, high=2048, length=128)     # (L,) int64, sorted, distinct
+    pos = pose_positions(seed, step, rank, target=2048, length=128)     # (L,) int64, PoSE's chunks and skips
 """
 
 from __future__ import annotations
@@ -54,6 +55,26 @@ def random_positions(seed: int, step: int, rank: int, high: int, length: int) ->
     same for every window of the batch (the model takes one position vector); evaluation uses 0…T−1. (length,) int64."""
     sample = np.random.default_rng([seed, step, rank, 2]).choice(high, length, replace=False)
     return torch.from_numpy(np.sort(sample).astype(np.int64))
+
+
+def pose_positions(seed: int, step: int, rank: int, target: int, length: int, chunks: int = 2) -> torch.Tensor:
+    """PoSE's training positions (Zhu et al. 2023, §3.2): the window's L = ``length`` positions cut into N = ``chunks``
+    ≥ 2 contiguous chunks, chunk i moved on by a skip u_i, u_0 = 0 and u_i uniform over the integers u_{i−1} … L_t − L
+    (L_t = ``target``), so positions stay below L_t, keep their order, and run on by one within a chunk. Chunk
+    lengths: for N = 2 the reference code's (its ``train_preprocess_function_pose``: the first chunk uniform over
+    1 … ⌈L/2⌉ tokens); for N > 2, where the paper gives no rule, N − 1 distinct cut points uniform over 1 … L − 1.
+    Drawn by ``default_rng([seed, step, rank, 4])``, one vector per batch (the model takes one; the reference draws per
+    example). (length,) int64."""
+    rng = np.random.default_rng([seed, step, rank, 4])
+    if chunks == 2:
+        cuts = [int(rng.integers(1, (length + 1) // 2 + 1))]
+    else:
+        cuts = sorted(int(c) for c in rng.choice(np.arange(1, length), chunks - 1, replace=False))
+    pos, skip = np.arange(length, dtype=np.int64), 0
+    for a, b in zip(cuts, [*cuts[1:], length]):
+        skip = int(rng.integers(skip, target - length + 1))  # u_i ∈ {u_{i−1}, …, L_t − L}
+        pos[a:b] += skip
+    return torch.from_numpy(pos)
 
 
 def insert(crops: np.ndarray, needle: Needle, rate: float, rng: np.random.Generator, pairs: int = 1,

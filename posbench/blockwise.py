@@ -18,6 +18,13 @@ softmax(q·kᵀ/√Dh + bias, later keys masked) · v, q, k, v (B, H, T, Dh) →
   SDPA with a float mask of (H, e − s, e − s + D − 1). Both are merged by their log-sum-exps, as in ``folded``. With
   positions 0…T−1 plus an offset, every block's mask is a slice of one (H, Q, Q + D − 1) pattern built once per
   forward pass (:func:`banded_pattern`: a sliding view, no copy); other increasing positions build each block's mask.
+  With a window (posbench/windows.py) a block attends to the keys from the window's first one on, the rest never
+  touched: a sliding window of W over consecutive positions is the table's bias below distance W and −inf from W on
+  (:func:`windowed_table`), so the pattern serves it; other positions build each block's mask with the window's.
+  Without a far part it takes gradients too: SDPA with the same float mask.
+
+Both take a learned sink logit per head (GPT-OSS): without gradients the block's output times σ(lse − sink), with
+them the sink as one more key (:func:`with_sink`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench.schemes.base import PositionalScheme
+from posbench.windows import Window
 
 FOLD_QUERIES = 256  # folded and banded: queries per block; |query − c| ≤ 128 positions keeps the fp32 bias error ≲ 4e-6
 # SDPA's fused CPU kernel, which also returns each query's log-sum-exp (B, H, Tq); no gradient flows through
@@ -51,17 +59,37 @@ def distance_table(scheme: PositionalScheme, pos: torch.Tensor, dtype: torch.dty
 
 
 def dense_mask(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, s: int, e: int,
-               dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
-    """Bias plus causal mask of queries s…e−1 against keys 0…e−1: (H, e − s, e) in ``dtype``, −inf where the
-    key comes after the query (by index). The bias is ``scheme.pair_bias`` of those positions, or a per-distance
-    ``table`` (H, N) indexed by i − j (a ``distance_table`` scheme's :func:`distance_table`, built here if not given)."""
+               dtype: torch.dtype, table: torch.Tensor | None = None, a: int = 0,
+               window: Window | None = None) -> torch.Tensor:
+    """Bias plus causal mask of queries s…e−1 against keys a…e−1: (H, e − s, e − a) in ``dtype``, −inf where the
+    key comes after the query (by index) or lies outside its ``window``. The bias is ``scheme.pair_bias`` of those
+    positions, or a per-distance ``table`` (H, N) indexed by i − j (a ``distance_table`` scheme's
+    :func:`distance_table`, built here if not given)."""
     if table is not None or scheme.distance_table:
         table = distance_table(scheme, pos, dtype) if table is None else table  # (H, N)
-        bias = table[:, distances(table, pos[s:e, None], pos[None, :e])]  # (H, e-s, e)
+        bias = table[:, distances(table, pos[s:e, None], pos[None, a:e])]  # (H, e-s, e-a)
     else:
-        bias = scheme.pair_bias(pos[s:e], pos[:e], dtype)  # (H, e-s, e)
-    future = torch.arange(e, device=pos.device)[None, :] > torch.arange(s, e, device=pos.device)[:, None]  # (e-s, e)
-    return bias.masked_fill(future, float("-inf")).to(dtype).expand(n_head, e - s, e)
+        bias = scheme.pair_bias(pos[s:e], pos[a:e], dtype)  # (H, e-s, e-a)
+    i, j = torch.arange(s, e, device=pos.device)[:, None], torch.arange(a, e, device=pos.device)[None, :]
+    hidden = j > i if window is None else ~window.visible(i, j)  # (e-s, e-a)
+    return bias.masked_fill(hidden, float("-inf")).to(dtype).expand(n_head, e - s, e - a)
+
+
+def windowed_table(table: torch.Tensor, W: int) -> torch.Tensor:
+    """A per-distance table (H, N) with a sliding window of W folded in: its bias below distance W, −inf from W on (a
+    new tensor; gradients reach ``table``)."""
+    far = torch.arange(table.shape[-1], device=table.device) >= W  # (N,)
+    return table.masked_fill(far, float("-inf"))
+
+
+def with_sink(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor):
+    """One block's keys, values and float mask with a sink in front: key and value zero, the mask's column the sink
+    logit of each head, so that SDPA's softmax takes exp(sink_h) into every query's denominator and its output nothing
+    from it. k, v: (B, H, K, Dh), mask: (H or 1, Q, K), sink: (H,) → (B, H, K + 1, Dh) twice and (H, Q, K + 1)."""
+    H, Q = sink.shape[0], mask.shape[-2]
+    column = sink.to(mask.dtype)[:, None, None].expand(H, Q, 1)
+    return (F.pad(k, (0, 0, 1, 0)), F.pad(v, (0, 0, 1, 0)),
+            torch.cat((column, mask.expand(H, Q, mask.shape[-1])), dim=-1))
 
 
 # ---- folded: a key-only bias as one extra head dimension -------------------------------------------------
@@ -109,22 +137,37 @@ def banded_pattern(table: torch.Tensor, Q: int, D: int, dtype: torch.dtype) -> t
     return torch.cat((near, later), dim=1).unfold(1, Q + D - 1, 1)  # (H, Q, Q + D - 1)
 
 
-def banded(q, k, v, ctx) -> torch.Tensor:
-    """Per query block [s, e): the near keys (the table's bias, causal) and, for a far_constant scheme, the far keys
-    0…s − D (bias c_h, unmasked), merged by their log-sum-exps (:func:`folded`'s merge)."""
-    D, H = ctx.far, q.shape[1]
-    y = torch.empty_like(q)  # (B, H, T, Dh)
+def banded(q, k, v, ctx, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query block [s, e): the near keys (the table's bias, causal; a window's from its first key) and, for a
+    far_constant scheme without a window, the far keys 0…s − D (bias c_h, unmasked), merged by their log-sum-exps
+    (:func:`folded`'s merge). With gradients on (a window, or no far keys): SDPA with the block's float mask. A sink
+    (H,) scales each block by σ(lse − sink) without gradients, and is one more key with them (:func:`with_sink`)."""
+    D, H, window = ctx.far, q.shape[1], ctx.window
+    grad = torch.is_grad_enabled()
+    out = []
     for s, e in ctx.blocks:
-        a = max(0, s - D + 1)  # the first near key
+        a = window.first_key(s) if window is not None else max(0, s - D + 1)  # the first near key
         if ctx.masks:  # the pattern's rows reversed: the block's queries go in reversed, come out reversed back
             Q, first = ctx.masks[0].shape[1], a - (s - D + 1)  # key j is column j − (s − D + 1)
             mask, qb = ctx.masks[0][:, Q - (e - s):, first: first + e - a], q[:, :, s:e].flip(2)  # (H, e-s, e-a)
         else:
-            mask, qb = dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, ctx.table)[:, :, a:], q[:, :, s:e]
-        yb, lse = flash_cpu(qb, k[:, :, a:e], v[:, :, a:e], 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
-        if a:  # the far keys: weight of the near ones = sigmoid(lse_near − lse_far − c_h)
+            mask, qb = dense_mask(ctx.scheme, ctx.pos, H, s, e, q.dtype, ctx.table, a, window), q[:, :, s:e]
+        kb, vb = k[:, :, a:e], v[:, :, a:e]
+        if grad:  # no far keys here (posbench/attention.py chooses banded with gradients only then)
+            if sink is not None:
+                kb, vb, mask = with_sink(kb, vb, mask, sink)
+            yb = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.to(q.dtype)[None])  # (B, H, e-s, Dh)
+            out.append(yb.flip(2) if ctx.masks else yb)
+            continue
+        yb, lse = flash_cpu(qb, kb, vb, 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh), (B, H, e-s)
+        if a and window is None and ctx.far_bias is not None:  # the far keys: weight of the near ones
             y_far, lse_far = flash_cpu(qb, k[:, :, :a], v[:, :, :a], 0.0, False)  # (B, H, e-s, Dh), (B, H, e-s)
-            w = torch.sigmoid(lse - lse_far - ctx.far_bias[:, None].to(lse.dtype))  # (B, H, e-s)
+            c = ctx.far_bias[:, None].to(lse.dtype)  # (H, 1)
+            w = torch.sigmoid(lse - lse_far - c)  # (B, H, e-s)
             yb = torch.lerp(y_far, yb, w[..., None].to(yb.dtype))
-        y[:, :, s:e] = yb.flip(2) if ctx.masks else yb
-    return y  # (B, H, T, Dh)
+            if sink is not None:
+                lse = torch.logaddexp(lse, lse_far + c)  # the log-sum-exp of near and far keys
+        if sink is not None:  # Z / (Z + exp(sink)) = σ(lse − sink)
+            yb = yb * torch.sigmoid(lse - sink[:, None].to(lse.dtype))[..., None].to(yb.dtype)
+        out.append(yb.flip(2) if ctx.masks else yb)
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)

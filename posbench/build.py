@@ -18,6 +18,7 @@ from posbench.config import DEFAULT_SCHEME, ModelConfig
 from posbench.model import GPT
 from posbench.schemes import SCHEMES
 from posbench.upgrade import model_section, upgrade
+from posbench.windows import expand_pattern
 
 MODEL_KEYS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "name"]  # what a spec's "model" holds
 
@@ -66,7 +67,9 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
     The scheme's parameters are drawn from their own random stream, seeded by one number taken from torch's
     global generator, so that every other parameter is bit-identical whichever scheme (and whatever table
     size) is built after the same ``torch.manual_seed``: a comparison differs in positions only. A scheme whose
-    Config says ``per_layer`` (FIRE's and CoPE's option) is built ``n_layer`` times, layer 0's first, from that stream.
+    Config says ``per_layer`` (FIRE's and CoPE's option) is built once per layer that uses it, the first layer's first,
+    from that stream; a hybrid model's global scheme (``model.global_scheme``, a section like ``scheme``) is built
+    after the local one, from the same stream.
 
     Raises:
         KeyError: the spec has no ``vocab_size``.
@@ -79,21 +82,33 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
     unknown = sorted(set(m) - set(MODEL_KEYS))
     if unknown:
         raise ValueError(f"model.{unknown[0]} is not a model option; the options: {', '.join(MODEL_KEYS)}")
-    options = dict(spec.get("scheme") or {})
-    name = options.pop("name", DEFAULT_SCHEME)
-    if name not in SCHEMES:
-        raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
-    config = SCHEMES[name].make_config(**options)
+    kinds = expand_pattern(m["layer_pattern"], m["n_layer"])
+    g = m["global_scheme"]
     scheme_seed = int(torch.randint(2**62, (), device="cpu"))  # (the CPU generator, also under a meta device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(scheme_seed)
-        if getattr(config, "per_layer", False):  # one instance per attention layer, drawn in turn
-            scheme = [SCHEMES[name](m["d_model"], m["n_head"], config) for _ in range(m["n_layer"])]
-        else:
-            scheme = SCHEMES[name](m["d_model"], m["n_head"], config)
+        scheme = _build_scheme(spec.get("scheme"), m, m["n_layer"] if g is None else kinds.count("L"))
+        glob = None if g is None else _build_scheme(g, m, kinds.count("G"), "model.global_scheme")
     return GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
                scale_embeddings=m["scale_embeddings"], attn_scale=m["attn_scale"], scale_length=m["scale_length"],
-               attn_dropout=m["attn_dropout"])
+               attn_dropout=m["attn_dropout"], global_scheme=glob, layer_pattern=m["layer_pattern"], window=m["window"],
+               window_kind=m["window_kind"], qk_norm=m["qk_norm"], qk_norm_layers=m["qk_norm_layers"],
+               qk_norm_weight=m["qk_norm_weight"], attn_sink=m["attn_sink"])
+
+
+def _build_scheme(section: dict | None, m: dict, layers: int, what: str = "scheme"):
+    """The scheme of a section ``{"name": ..., **options}`` (None: the default scheme's defaults) for ``layers``
+    layers: one instance, or, where its Config says ``per_layer`` (FIRE's and CoPE's option), one per layer, drawn in
+    turn. Raises ValueError for an unknown scheme or option (``what`` names the section)."""
+    options = dict(section or {})
+    name = options.pop("name", DEFAULT_SCHEME)
+    if name not in SCHEMES:
+        where = "" if what == "scheme" else f" in {what}"
+        raise ValueError(f"unknown scheme {name!r}{where}; choose one of: {', '.join(sorted(SCHEMES))}")
+    config = SCHEMES[name].make_config(**options)
+    if getattr(config, "per_layer", False):  # one instance per attention layer, drawn in turn
+        return [SCHEMES[name](m["d_model"], m["n_head"], config) for _ in range(layers)]
+    return SCHEMES[name](m["d_model"], m["n_head"], config)
 
 
 def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:

@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import config_checks as checks
 from posbench import context, passkey
-from posbench.attention import ATTN_SCALES
+from posbench.attention import ATTN_SCALES, QK_NORM_LAYERS, QK_NORMS
 from posbench.config_checks import (  # noqa: F401
     ConfigError,
     check_choices,
@@ -35,6 +35,7 @@ from posbench.config_checks import (  # noqa: F401
     longest_length,
 )
 from posbench.schemes import SCHEMES
+from posbench.windows import WINDOW_KINDS
 
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluate.py
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/lineage.py
@@ -58,6 +59,15 @@ class ModelConfig:
     scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
     attn_scale: str = choices(*ATTN_SCALES, default="none")  # queries × a factor of the keys they see (model.py GPT)
     scale_length: Optional[int] = None  # L of log_n's ln n / ln L; None = the train length (log_n only)
+    # hybrid layers (model.py GPT, posbench/windows.py): L local, G global, repeated over the layers; G = every layer
+    layer_pattern: str = "G"
+    global_scheme: Any = None  # the G layers' scheme: a name or {name: …, <option>: …}; None = the run's scheme
+    window: Optional[int] = None  # the L layers' attention window W (tokens); None = every earlier key
+    window_kind: str = choices(*WINDOW_KINDS)  # sliding (0 <= i − j < W) | chunked (the same chunk of W tokens)
+    qk_norm: str = choices(*QK_NORMS)  # none | rms: RMSNorm of each head's query and key before the rotation
+    qk_norm_layers: str = choices(*QK_NORM_LAYERS)  # all | local (the L layers: Llama 4's RoPE layers)
+    qk_norm_weight: bool = True  # a learned gain per head dimension (Gemma 3, EXAONE 4); false: none (Llama 4)
+    attn_sink: bool = False  # a learned logit per head and layer in every softmax's denominator (GPT-OSS)
 
 
 @dataclass
@@ -104,6 +114,8 @@ class TrainConfig:
     # AMX); evaluation is fp32 whatever it says
     precision: str = choices(*PRECISIONS)
     random_positions: Optional[int] = None  # M: train on sorted random positions from [0, M) (Ruoss et al. 2023)
+    pose: Optional[int] = None  # L_t: PoSE's target length, positions in chunks with random skips (Zhu et al. 2023)
+    pose_chunks: int = 2  # PoSE's chunks N per training window (its paper's and code's 2)
     sync_every: Optional[int] = None  # steps between host syncs (NaN and stop checks, metrics); None = 1 on CPU, 16 on CUDA
 
 
@@ -228,11 +240,13 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     run's device is CUDA), and the scheme's options: ``cfg.scheme`` is read into the scheme's ``Config``, whose
     ``resolve(L, longest)`` fills and checks them (the learned scheme's ``max_positions``: None → 16·L, never
     derived from ``eval.*``, so the model, its initialisation included, does not depend on how it will be
-    evaluated), and the resolved values are written back into ``cfg.scheme``. ``trained_length`` is the length the
+    evaluated), and the resolved values are written back into ``cfg.scheme``; so are a hybrid model's
+    ``model.global_scheme`` (a name reads as ``{name: <name>}``) and its options. ``trained_length`` is the length the
     weights were trained at when that is not ``train.seq_len`` (a run started from a parent's weights,
     ``init_from``: the parent's L); derived scheme options are filled from it (RoPE's ``original_length``: the
     length a scaling method scales from), as is ``model.scale_length`` (log-n scaling's L). Logs a warning when
-    ``train.random_positions`` (M) is below the longest evaluation length, and, when ``training``, when
+    ``train.random_positions`` (M) or ``train.pose`` (L_t) is below the longest evaluation length, and, when
+    ``training``, when
     ``train.warmup_steps`` >= ``train.steps`` > 0 (the learning rate never reaches ``train.lr`` before the end).
 
     Raises:
@@ -242,8 +256,12 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
             evaluation length < 2, an empty ``eval.lengths``, heads that do not divide the width, a scheme option
             the scheme lacks or its ``resolve`` refuses (the message starts ``scheme.<option>=<value>``, e.g. a
             learned table smaller than the longest length), ``model.dropout`` or ``model.attn_dropout`` outside
-            [0, 1), a ``model.scale_length`` < 2 or given without ``log_n``, ``train.random_positions`` below L or
-            for a scheme that reads no positions, a stride outside 1…min(lengths), ``train.steps=0`` without
+            [0, 1), a ``model.scale_length`` < 2 or given without ``log_n``, ``train.random_positions`` or
+            ``train.pose`` below L or for a scheme that reads no positions, both of them, ``train.pose_chunks``
+            outside 2…L or without ``train.pose``, hybrid layers that do not fit (``checks.layers``: a letter
+            other than L and G, a window without an L layer, above L or without a size, a global scheme without a G
+            or an L layer, of an unknown name or option, or embedding positions, options of ``model.qk_norm`` without
+            it, a pattern whose L and G layers would not differ), a stride outside 1…min(lengths), ``train.steps=0`` without
             ``init_from`` (0 steps: a parent evaluated as it is), ``init_rows`` other than ``scheme`` without
             ``init_from``, optimizer values that would break training (lr ≤ 0, min_lr outside 0…lr,
             weight_decay < 0, grad_clip < 0, betas outside [0, 1)), or, when ``training`` (a training job, not a
@@ -257,15 +275,17 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     checks.data_values(cfg.data)
     checks.model_values(cfg.model, trained_length or t.seq_len)
     checks.eval_values(cfg.eval, t.seq_len)
-    checks.random_positions(t, s.name, cfg.eval)
+    checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)
+    longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen
     try:
         resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
-        resolved.resolve(trained_length or t.seq_len, max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0))
+        resolved.resolve(trained_length or t.seq_len, longest)
     except ValueError as err:
         raise ConfigError(f"scheme.{err}") from None
     with open_dict(s):
         for key, value in dataclasses.asdict(resolved).items():
             s[key] = value
+    checks.layers(cfg.model, s.name, trained_length or t.seq_len, longest)
     return cfg
 
 

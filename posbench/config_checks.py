@@ -6,7 +6,8 @@ so a new choice is one tuple, not one more hand-written check. Every other value
 
     check_keys(cfg, PosbenchConfig());  check_choices(cfg, PosbenchConfig)
     run_values(cfg); train_values(cfg.train, cfg.init_from, training); data_values(cfg.data)
-    model_values(cfg.model, L); eval_values(cfg.eval, L); random_positions(cfg.train, cfg.scheme.name, cfg.eval)
+    model_values(cfg.model, L); eval_values(cfg.eval, L); training_positions(cfg.train, schemes, cfg.eval)
+    layers(cfg.model, cfg.scheme.name, L, longest)  # after the scheme's options are resolved
 
 Each raises :class:`ConfigError`, one line naming the value and what is allowed; some fill a derived default in
 place (``eval.lengths``, ``model.scale_length``, ``train.compile``), as their docstrings say.
@@ -19,11 +20,12 @@ import logging
 import math
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from posbench import context, passkey
 from posbench.device import native_bf16_cpu, resolve_device
-from posbench.schemes import SCHEMES
+from posbench.schemes import SCHEMES, PositionalScheme
+from posbench.windows import expand_pattern
 
 log = logging.getLogger("posbench")
 
@@ -232,19 +234,104 @@ def eval_values(e: DictConfig, seq_len: int) -> None:
                               f"evaluation length {min(e.lengths)}")
 
 
-def random_positions(t: DictConfig, scheme: str, e: DictConfig) -> None:
-    """``train.random_positions`` (M): at least L, for a scheme that reads positions; a warning when M is below
-    the longest evaluation length (positions from M on are never seen in training)."""
-    M = t.random_positions
-    if M is None:
-        return
-    positive("train.random_positions", M)
-    if M < t.seq_len:
-        raise ConfigError(f"train.random_positions={M} is smaller than train.seq_len={t.seq_len}: "
-                          "a window's positions are distinct integers drawn from [0, M)")
-    if not SCHEMES[scheme].reads_positions():
-        raise ConfigError(f"train.random_positions={M} but scheme={scheme} uses no positions: "
-                          "drop train.random_positions, or choose a scheme that reads them")
-    if M < longest_length(e):
-        log.warning("train.random_positions=%d is below the longest evaluation length %d: positions from %d on are "
-                    "never seen in training", M, longest_length(e), M)
+def training_positions(t: DictConfig, schemes: list[str], e: DictConfig) -> None:
+    """The training positions other than 0…L−1: ``train.random_positions`` (M) and ``train.pose`` (L_t), each at
+    least L, not both, for a model whose ``schemes`` (the run's, and a hybrid's global one) read positions;
+    ``train.pose_chunks`` in 2…L and only with ``train.pose``; a warning when M or L_t is below the longest evaluation
+    length (positions from there on are never seen in training)."""
+    M, Lt, N = t.random_positions, t.pose, t.pose_chunks
+    if N != 2 and Lt is None:
+        raise ConfigError(f"train.pose_chunks={N} applies to PoSE: add train.pose=<target length>, or drop it")
+    for key, value in (("random_positions", M), ("pose", Lt)):
+        if value is None:
+            continue
+        positive(f"train.{key}", value)
+        if value < t.seq_len:
+            what = ("a window's positions are distinct integers drawn from [0, M)" if key == "random_positions" else
+                    "PoSE spreads a window's L positions over [0, L_t)")
+            raise ConfigError(f"train.{key}={value} is smaller than train.seq_len={t.seq_len}: {what}")
+        if not any(SCHEMES[s].reads_positions() for s in schemes if s in SCHEMES):
+            which = f"scheme={schemes[0]}" + (f" and model.global_scheme={schemes[1]} use" if len(schemes) > 1 else " uses")
+            raise ConfigError(f"train.{key}={value} but {which} no positions: drop train.{key}, or choose a scheme that "
+                              "reads them")
+        if value < longest_length(e):
+            log.warning("train.%s=%d is below the longest evaluation length %d: positions from %d on are never seen "
+                        "in training", key, value, longest_length(e), value)
+    if M is not None and Lt is not None:
+        raise ConfigError(f"train.random_positions={M} and train.pose={Lt} both choose the training positions: "
+                          "give one of them")
+    if Lt is not None and (isinstance(N, bool) or not isinstance(N, int) or not 2 <= N <= t.seq_len):
+        raise ConfigError(f"train.pose_chunks={N} is not allowed: PoSE cuts a window of train.seq_len={t.seq_len} "
+                          f"tokens into 2…{t.seq_len} chunks (its first chunk starts at position 0)")
+
+
+def global_name(m: DictConfig) -> list[str]:
+    """The name of ``model.global_scheme`` in a list (a name, or a section's ``name``), or [] when there is none."""
+    g = m.get("global_scheme")
+    if g is None:
+        return []
+    return [g] if isinstance(g, str) else [g.get("name")] if isinstance(g, (dict, DictConfig)) else [str(g)]
+
+
+def layers(m: DictConfig, scheme: str, seq_len: int, longest: int) -> None:
+    """Hybrid layers (posbench/model.py ``GPT``): ``model.layer_pattern`` (L and G letters), the L layers' window
+    (1 ≤ W ≤ L, ``train.seq_len``: a window of more than L never binds in training; an L layer needed), the G
+    layers' ``model.global_scheme`` (read as a scheme section and resolved in place, as ``scheme`` is: its name known,
+    its options the scheme's, its derived ones filled from ``seq_len``; a G and an L layer needed; no scheme that
+    embeds positions beside it), QK-norm's options only with ``model.qk_norm=rms`` (``local`` needs an L layer), and a
+    pattern with L layers only when something makes them differ from the G ones."""
+    try:
+        kinds = expand_pattern(m.layer_pattern, m.n_layer)
+    except ValueError as err:
+        raise ConfigError(f"model.{err}") from None
+    W, g = m.window, global_name(m)
+    if W is not None:
+        positive("model.window", W)
+        if "L" not in kinds:
+            raise ConfigError(f"model.window={W} applies to the L layers, and model.layer_pattern={m.layer_pattern} has "
+                              f"none at {m.n_layer} layers: give a pattern with L layers, e.g. LLLG, or drop the window")
+        if W > seq_len:
+            raise ConfigError(f"model.window={W} is larger than train.seq_len={seq_len}: a window of more than L tokens "
+                              f"hides nothing in training; give 1 <= model.window <= {seq_len}")
+    elif m.window_kind != "sliding":
+        raise ConfigError(f"model.window_kind={m.window_kind} applies to model.window: give model.window=<tokens>")
+    if m.qk_norm == "none" and (m.qk_norm_layers != "all" or m.qk_norm_weight is not True):
+        key = "qk_norm_layers" if m.qk_norm_layers != "all" else "qk_norm_weight"
+        raise ConfigError(f"model.{key}={m[key]} applies to QK-norm: add model.qk_norm=rms, or drop it")
+    if m.qk_norm == "rms" and m.qk_norm_layers == "local" and "L" not in kinds:
+        raise ConfigError(f"model.qk_norm_layers=local applies to the L layers, and model.layer_pattern="
+                          f"{m.layer_pattern} has none")
+    if g and SCHEMES[scheme].embed is not PositionalScheme.embed:
+        raise ConfigError(f"scheme={scheme} adds positions to the embeddings, once, before the first layer: it cannot "
+                          f"be the scheme of the L layers beside model.global_scheme={g[0]}")
+    if g:
+        _global_scheme(m, kinds, seq_len, longest)
+    elif "L" in kinds and W is None and not (m.qk_norm == "rms" and m.qk_norm_layers == "local"):
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern}: its L layers differ from G layers only by "
+                          "model.window, model.global_scheme or model.qk_norm_layers=local; give one, or drop the pattern")
+
+
+def _global_scheme(m: DictConfig, kinds: str, seq_len: int, longest: int) -> None:
+    """Read ``model.global_scheme`` as a scheme section, resolve it (its Config's ``resolve``) and write it back."""
+    g = m.global_scheme
+    section = {"name": g} if isinstance(g, str) else OmegaConf.to_container(g) if isinstance(g, DictConfig) else g
+    if not isinstance(section, dict) or not isinstance(section.get("name"), str):
+        raise ConfigError(f"model.global_scheme={g!r} is not allowed: give a scheme's name, or "
+                          "'{name: <scheme>, <option>: <value>}'")
+    name = section.pop("name")
+    if name not in SCHEMES:
+        raise ConfigError(f"model.global_scheme: unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    if "G" not in kinds or "L" not in kinds:
+        raise ConfigError(f"model.global_scheme={name} is the scheme of the G layers beside the L layers' scheme, and "
+                          f"model.layer_pattern={m.layer_pattern} has {'no G' if 'G' not in kinds else 'no L'} layer at "
+                          f"{m.n_layer} layers" + ("" if "G" not in kinds else f"; give scheme={name} instead"))
+    if SCHEMES[name].embed is not PositionalScheme.embed:
+        raise ConfigError(f"model.global_scheme={name} adds positions to the embeddings, once, before the first layer: "
+                          "it cannot be the scheme of some layers only")
+    try:
+        config = SCHEMES[name].make_config(**section)
+        config.resolve(seq_len, longest)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model.global_scheme.{err}") from None
+    with open_dict(m):
+        m.global_scheme = {"name": name, **dataclasses.asdict(config)}

@@ -5,6 +5,10 @@ options, and one compiled flex_attention per process under a recompile limit tha
     score_mod = flex.score_mod(scheme, pos, table)            # pos (T,) int64; table (H, N), (H, T, T) or None
     y = flex.run(q, k, v, score_mod, flex.causal_block_mask(T, q.device), flex.kernel_options(q.device, table))
 
+A local layer's window (posbench/windows.py) is a mask_mod ANDed with the causal one, and its BlockMask skips the
+blocks outside it (:func:`block_mask`). A learned sink logit per head needs the log-sum-exp of each query's scores
+(``run(..., lse=True)``), which Flex returns and differentiates through (PyTorch ≥ 2.5).
+
 Compiled with automatic dynamic shapes: the second length compiles a dynamic kernel that most later lengths reuse,
 and each compilation is logged ("compiling the attention kernel for length T"). Past :data:`VARIANTS` compiled
 variants in a process it raises rather than fall back to Flex's eager form, which materialises every score;
@@ -19,6 +23,7 @@ import torch
 
 from posbench.blockwise import distances
 from posbench.schemes.base import PositionalScheme
+from posbench.windows import Window
 
 log = logging.getLogger("posbench")
 
@@ -31,7 +36,7 @@ TABLE_OPTIONS = {"num_stages": 2}  # CUDA, a score_mod reading a table (:func:`k
 VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
 _compiled = None
 _compile_callbacks = torch._dynamo.callback.callback_handler  # Dynamo's compile-start hooks (:func:`run`)
-_block_masks: dict[tuple[int, str], object] = {}
+_block_masks: dict[tuple, object] = {}
 
 
 def score_mod(scheme: PositionalScheme, pos: torch.Tensor, table: torch.Tensor | None):
@@ -58,6 +63,17 @@ def kernel_options(device: torch.device, table: torch.Tensor | None) -> dict | N
     return TABLE_OPTIONS if device.type == "cuda" and table is not None else None
 
 
+CPU_PAD_BELOW, CPU_PAD_TO = 128, 16  # (:func:`cpu_padding`)
+
+
+def cpu_padding(T: int) -> int:
+    """Rows to add after T queries and keys before Flex runs on CPU: up to a multiple of 16 below 128 tokens, else
+    0. torch 2.13's compiled CPU kernel returned wrong values (NaN among them), varying from run to run, for T ≡ 8
+    (mod 16) below one block of 128 (8, 24, …, 120; measured on an AMD EPYC with AVX2); padded keys come after every
+    query, so the causal mask hides them, and padded queries are dropped."""
+    return -T % CPU_PAD_TO if T < CPU_PAD_BELOW else 0
+
+
 def reset_compiled() -> None:
     """Drop every compiled kernel and cached BlockMask of this process (Dynamo's caches included): between two jobs
     of one process (a sweep without joblib, a joblib worker), so that the next job compiles for itself."""
@@ -77,15 +93,31 @@ def causal_block_mask(T: int, device: torch.device):
     return _block_masks[key]
 
 
-def run(q, k, v, mod, block_mask, options: dict | None) -> torch.Tensor:
-    """flex_attention(q, k, v) with score_mod ``mod``, q, k, v (B, H, T, Dh) → (B, H, T, Dh). Inside a compiled model
-    (``train.compile``) the plain call, which that compile covers; otherwise the compiled call under a recompile
-    limit of :data:`VARIANTS` that raises (``torch._dynamo.exc.FailOnRecompileLimitHit``) when reached. When Dynamo
-    compiles in this call (a new shape: seconds on a CPU), "compiling the attention kernel for length T" is logged
-    as the compilation starts (Dynamo's compile-start callback), once per call."""
+def block_mask(T: int, device: torch.device, window: Window | None = None):
+    """The BlockMask of length T: causal, ANDed with ``window``'s mask (its blocks outside the window skipped), built
+    once per (T, device, window); without a window, :func:`causal_block_mask`."""
+    if window is None:
+        return causal_block_mask(T, device)
+    key = (T, str(device), window)
+    if key not in _block_masks:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return window.visible(q_idx, kv_idx)
+
+        _block_masks[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
+    return _block_masks[key]
+
+
+def run(q, k, v, mod, block_mask, options: dict | None, lse: bool = False):
+    """flex_attention(q, k, v) with score_mod ``mod``, q, k, v (B, H, T, Dh) → (B, H, T, Dh), and with ``lse`` the
+    natural log-sum-exp of each query's scores (B, H, T) too. Inside a compiled model (``train.compile``) the plain
+    call, which that compile covers; otherwise the compiled call under a recompile limit of :data:`VARIANTS` that
+    raises (``torch._dynamo.exc.FailOnRecompileLimitHit``) when reached. When Dynamo compiles in this call (a new
+    shape: seconds on a CPU), "compiling the attention kernel for length T" is logged as the compilation starts
+    (Dynamo's compile-start callback), once per call."""
     global _compiled
+    extra = {"return_lse": True} if lse else {}
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options)
+        return flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra)
     if _compiled is None:
         _compiled = torch.compile(flex_attention)
     said = []
@@ -98,7 +130,7 @@ def run(q, k, v, mod, block_mask, options: dict | None) -> torch.Tensor:
     _compile_callbacks.register_start_callback(compiling)
     try:
         with torch._dynamo.config.patch(recompile_limit=VARIANTS, fail_on_recompile_limit_hit=True):
-            return _compiled(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options)  # (B, H, T, Dh)
+            return _compiled(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra)
     finally:
         if compiling in _compile_callbacks.start_callbacks:  # (torch._dynamo.reset() clears them)
             _compile_callbacks.remove_start_callback(compiling)

@@ -71,7 +71,8 @@ def one_line(err: Exception) -> str:
     return f"{key}: {text}" if key else text
 
 
-TRAIN_GROUPS = ("scheme", "model", "data", "experiment", "debug", "tricks", "extend")  # conf/'s groups, train's only
+TRAIN_GROUPS = ("scheme", "model", "data", "experiment", "debug", "tricks", "extend", "hybrid",
+                "recipe")  # conf/'s groups, train's only
 
 
 def check_eval_overrides(overrides: list[str]) -> None:
@@ -96,7 +97,8 @@ def check_eval_overrides(overrides: list[str]) -> None:
 
 def inherit(overrides: list[str]) -> None:
     """Make Hydra compose, for a run started from a parent (``init_from=<run>`` on the command line, or each value
-    of a sweep over it), the parent's scheme with the parent's options, and its L (``train.seq_len``), unless the
+    of a sweep over it), the parent's scheme with the parent's options, its L (``train.seq_len``) and its layers'
+    options (``model.layer_pattern`` …: posbench.lineage.LAYER_KEYS), unless the
     command line or a preset gives them (posbench/lineage.py :func:`~posbench.lineage.inherited`). It stores two
     options in Hydra's ConfigStore, replacing those of an earlier call: ``scheme/parent``, the parent's scheme
     options on its scheme's schema, and ``parent/init`` (package ``_global_``), which overrides the scheme group's
@@ -121,13 +123,14 @@ def inherit(overrides: list[str]) -> None:
     if len({json.dumps(t, sort_keys=True, default=str) for t in taken.values()}) > 1:
         described = "; ".join(f"{path}: {' '.join(f'scheme.{k}={v}' for k, v in t['scheme'].items())} "
                               f"train.seq_len={t['seq_len']}" for path, t in taken.items())
-        raise ConfigError(f"init_from={','.join(taken)}: a run takes its parent's scheme, scheme options and L, and "
+        raise ConfigError(f"init_from={','.join(taken)}: a run takes its parent's scheme, scheme options, L and layers, and "
                           f"these parents differ ({described}); sweep over parents that share them, or run one command "
                           "per parent")
     for t in list(taken.values())[:1]:
         store.store(group="scheme", name=PARENT_SCHEME, node=scheme_schema(t["scheme"]["name"])(**t["scheme"]))
         store.store(group=PARENT_GROUP, name="init", package="_global_", node={
-            "defaults": [{"override /scheme": PARENT_SCHEME}], "train": {"seq_len": t["seq_len"]}})
+            "defaults": [{"override /scheme": PARENT_SCHEME}], "train": {"seq_len": t["seq_len"]},
+            **({"model": t["model"]} if t.get("model") else {})})
 
 
 def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:

@@ -5,9 +5,10 @@ new run checked against it, its weights loaded, and the lineage the new run reco
         train.schedule=constant train.weight_decay=0
 
 The new run's model starts from the parent's weights; its optimizer, schedule and step count start fresh. It takes
-the parent's scheme, with the parent's options, and the parent's train length L, unless the command line or a
-preset gives them (:func:`inherited`: posbench/jobs.py puts it into Hydra's composition); its other ``train.*``
-and ``eval.*`` options are its own, and the options that differ from the parent's are logged when it starts
+the parent's scheme, with the parent's options, the parent's train length L and its layers (a hybrid model's
+pattern, window, global scheme, QK-norm and sinks), unless the command line or a preset gives them
+(:func:`inherited`: posbench/jobs.py puts it into Hydra's composition); its other ``train.*`` and ``eval.*``
+options are its own, and the options that differ from the parent's are logged when it starts
 (:func:`differences`). The rules (docs/design.md §5.6), each checked by :func:`check_config` and :func:`check`
 before anything is written:
 
@@ -44,6 +45,8 @@ from posbench.schemes import SCHEMES
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
+LAYER_KEYS = ("layer_pattern", "global_scheme", "window", "window_kind", "qk_norm", "qk_norm_layers", "qk_norm_weight",
+              "attn_sink")  # model.*: a hybrid's layers, which a fine-tune takes from its parent unless given
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,14 @@ def read(init_from: str) -> Parent:
 
 def inherited(parent: Parent) -> dict:
     """What a run started from ``parent`` takes from it unless given: ``{"scheme": the parent's scheme options
-    (its name included), "seq_len": its L}``. Raises ConfigError for a scheme no longer registered."""
+    (its name included), "seq_len": its L, "model": its layers' options (:data:`LAYER_KEYS` it records)}``. Raises
+    ConfigError for a scheme no longer registered."""
     if parent.scheme["name"] not in SCHEMES:
         raise ConfigError(f"init_from={parent.path.parent}: its scheme {parent.scheme['name']!r} is not registered; "
                           f"the schemes: {', '.join(sorted(SCHEMES))}")
     fields = {f.name for f in dataclasses.fields(scheme_schema(parent.scheme["name"]))}
-    return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length}
+    layers = {k: v for k, v in parent.spec["model"].items() if k in LAYER_KEYS}
+    return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length, "model": layers}
 
 
 def differences(before: dict, after: dict, prefix: str = "") -> list[str]:
@@ -203,8 +208,9 @@ def load(model: torch.nn.Module, parent: Parent, rows: str, new_length: int, dev
     missing = [k for k in result.missing_keys if not k.startswith("scheme.")]
     if missing or result.unexpected_keys:
         raise ValueError(f"the parent's weights lack {missing} and have extra {result.unexpected_keys}")
-    if type(model.layer_schemes[0]) is SCHEMES.get(parent.scheme["name"]):
-        for prefix, scheme in model.scheme_parts():  # one, or one per layer (the parent's per_layer is the run's)
+    parts = [(prefix, s) for prefix, s in model.scheme_parts() if prefix.startswith("scheme.")]  # (global_scheme.*
+    if type(parts[0][1]) is SCHEMES.get(parent.scheme["name"]):  # loaded exactly above, as a model's own weights)
+        for prefix, scheme in parts:  # one, or one per layer (the parent's per_layer is the run's)
             scheme.adopt({k[len(prefix):]: v for k, v in trained.items() if k.startswith(prefix)}, rows,
                          parent.length, new_length)
     elif rows != "scheme":

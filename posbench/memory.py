@@ -6,11 +6,15 @@ anything; this module turns them into a byte count and compares it with what the
 
     kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # one of attention.KERNELS
     parts = step_bytes(spec, batch_size=16, seq_len=128, kernel=kernel)    # {"weights": …, …, "total": …} bytes
+    parts = step_bytes(spec, 16, 128, kernel=None, device="cpu")           # each layer's kernel (hybrid layers)
     free, what = available_bytes("cpu")                                    # (bytes, "MemAvailable of /proc/meminfo")
     check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
 
 The parts are weights, the optimizer's state, the activations autograd keeps (counted from posbench/model.py), what
-the attention kernel keeps, and the logits; docs/design.md §5.7 gives each formula and what is not counted.
+the attention kernel keeps, and the logits; docs/design.md §5.7 gives each formula and what is not counted. A model
+whose layers differ (a hybrid's global scheme, a local layer's window, sinks: :func:`layer_kernels`) is counted
+layer group by layer group; a chunked window's kernel runs on its chunks, a batch of ⌈T/C⌉ times as many windows of
+C tokens, and a sliding one's keeps what its query blocks and their W − 1 earlier keys need.
 tests/test_memory.py checks the estimate against measured memory.
 """
 
@@ -26,6 +30,7 @@ from posbench.build import build_model
 from posbench.config import DEFAULT_SCHEME
 from posbench.schemes import SCHEMES
 from posbench.upgrade import model_section
+from posbench.windows import Window, expand_pattern
 
 GiB = 1 << 30
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activations' dtype
@@ -39,12 +44,13 @@ class MemoryTooSmall(ValueError):
     """The estimated memory of a step exceeds what the device can give; the message is one line with both."""
 
 
-def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_bytes: int = 4,
+def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str | None, dtype_bytes: int = 4,
                training: bool = True, device: torch.device | str | None = None) -> dict[str, int]:
     """The estimated peak memory, in bytes, of one training step (forward, loss, backward, AdamW step) or, with
     ``training=False``, of one evaluation forward pass of the model ``spec`` describes, on a batch of
-    ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) on ``device`` (the
-    logits and the contextual kernel's blocks depend on it: None counts CUDA's logits, the larger, and CPU blocks).
+    ``batch_size`` × ``seq_len`` tokens with the attention ``kernel`` (:func:`kernel_for`) in every layer, or, None,
+    each layer's own (:func:`layer_kernels`, on ``device``, CPU if None), on ``device`` (the logits and the contextual
+    kernel's blocks depend on it: None counts CUDA's logits, the larger, and CPU blocks).
     docs/design.md §5.7 says what each part counts.
     Returns {"weights", "optimizer", "activations", "attention", "logits", "total"} in bytes."""
     m = _model_sizes(spec)
@@ -53,7 +59,9 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str, dtype_byt
         "weights": params * dtype_bytes,
         "optimizer": 3 * params * dtype_bytes if training else 0,  # gradients, AdamW's exp_avg and exp_avg_sq
         "activations": _activation_bytes(m, batch_size, seq_len, dtype_bytes, training),
-        "attention": _attention_bytes(spec, m, batch_size, seq_len, kernel, dtype_bytes, training, device),
+        "attention": (_attention_bytes(spec, m, batch_size, seq_len, kernel, dtype_bytes, training, device)
+                      if kernel is not None else
+                      _layered_bytes(spec, m, batch_size, seq_len, dtype_bytes, training, device)),
         "logits": _logit_bytes(batch_size * seq_len, spec["vocab_size"], device, dtype_bytes, training),
     }
     parts["total"] = sum(parts.values())
@@ -77,7 +85,7 @@ def available_bytes(device: torch.device | str) -> tuple[int, str]:
     return limit if limit and limit[0] < host[0] else host
 
 
-def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str, device: torch.device | str, what: str,
+def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str | None, device: torch.device | str, what: str,
                training: bool = True, dtype_bytes: int = 4) -> None:
     """Raise :class:`MemoryTooSmall` when :func:`step_bytes` exceeds :func:`available_bytes` of ``device``.
 
@@ -88,6 +96,8 @@ def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str, device: t
     if parts["total"] <= free:
         return
     largest = sorted((k for k in parts if k != "total"), key=parts.get, reverse=True)[:3]
+    if kernel is None:
+        kernel = "/".join(dict.fromkeys(k for k, _, _ in layer_kernels(spec, device, training, seq_len=seq_len)))
     detail = ", ".join(f"{k} {_size(parts[k])}" + (f" with the {kernel} kernel" if k == "attention" else "")
                        for k in largest)
     keys = " or ".join(part.split("=")[0].strip() for part in what.split("×"))
@@ -106,6 +116,33 @@ def kernel_for(scheme_name: str, device: torch.device | str, training: bool, dro
     return attention.choose_kernel(SCHEMES[scheme_name], device, dtype, dropout if training else 0.0, training)
 
 
+def layer_kernels(spec: dict, device: torch.device | str, training: bool, dropout: float | None = None,
+                  seq_len: int | None = None) -> list[tuple[str, int | None, object]]:
+    """Each layer's attention (posbench/attention.py ``context``, from the schemes' class attributes: positions
+    0…T−1 assumed) as (kernel, chunk, scheme class): the kernel ``choose_kernel`` picks for the layer's scheme (the
+    global one on a G layer), its window where it hides keys at ``seq_len`` (all, if None), sinks, and ``dropout``
+    (None: the spec's ``attn_dropout``); ``chunk``: C where a chunked window runs the kernel on its chunks, else
+    None. Training: gradients on, CUDA under bfloat16 autocast; evaluation: float32, no dropout."""
+    m, device = _model_sizes(spec), torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" and training else torch.float32
+    dropout = (m["attn_dropout"] if dropout is None else dropout) if training else 0.0
+    kinds = expand_pattern(m["layer_pattern"], m["n_layer"])
+    out = []
+    for kind in kinds:
+        section = m["global_scheme"] if kind == "G" and m["global_scheme"] else spec.get("scheme") or {}
+        cls = SCHEMES[section.get("name", DEFAULT_SCHEME)]
+        window = Window(m["window"], m["window_kind"]) if kind == "L" and m["window"] else None
+        window = window if window is not None and (seq_len is None or window.binds(seq_len)) else None
+        if window is not None and window.kind == "chunked" and (cls.contextual or not cls.has_bias
+                                                                or cls.distance_table or cls.translation_invariant):
+            out.append((attention.choose_kernel(cls, device, dtype, dropout, training, sink=m["attn_sink"]),
+                        window.size, cls))
+        else:
+            out.append((attention.choose_kernel(cls, device, dtype, dropout, training, window=window,
+                                                sink=m["attn_sink"]), None, cls))
+    return out
+
+
 def parameter_count(spec: dict, seq_len: int) -> int:
     """Parameters of the model ``spec`` describes (tied embeddings once), built by ``posbench.build.build_model`` on
     the meta device (one scheme per layer where its Config says ``per_layer``): no memory, no random numbers drawn.
@@ -118,6 +155,29 @@ def parameter_count(spec: dict, seq_len: int) -> int:
 
 
 # ---- the parts ------------------------------------------------------------------------------------------------
+
+
+def _layered_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, device=None) -> int:
+    """The attention part of a model whose layers may differ (:func:`layer_kernels`): per group of layers with one
+    kernel, scheme and window, :func:`_attention_bytes` of that many layers (a chunked window's on its chunks, a batch
+    of ⌈T/C⌉·B windows of C tokens; a sliding window's through ``window``)."""
+    groups: dict[tuple, int] = {}
+    kinds = expand_pattern(m["layer_pattern"], m["n_layer"])
+    for kind, (kernel, chunk, cls) in zip(kinds, layer_kernels(spec, device or "cpu", training, seq_len=T)):
+        sliding = m["window"] if kind == "L" and m["window"] and chunk is None and m["window"] < T else None
+        key = (kernel, chunk, cls, sliding)
+        groups[key] = groups.get(key, 0) + 1
+    total = 0
+    for (kernel, chunk, cls, sliding), layers in groups.items():
+        section = spec.get("scheme") or {} if SCHEMES[_scheme_name(spec)] is cls else m["global_scheme"]
+        own = {**spec, "scheme": section, "model": {**spec.get("model", {}), "n_layer": layers}}
+        sizes = {**m, "n_layer": layers}
+        if chunk:
+            total += _attention_bytes(own, sizes, B * -(-T // chunk), chunk, kernel, b, training, device)
+        else:
+            total += _attention_bytes(own, sizes, B, T, kernel, b, training, device, window=sliding)
+    return total
+
 
 
 def _activation_bytes(m: dict, B: int, T: int, b: int, training: bool) -> int:
@@ -136,10 +196,19 @@ def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
     return 2 * N * V * LOGIT_BYTES  # (N, V): log_softmax's output and the float32 logits (their gradient)
 
 
-def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device=None) -> int:
-    """The kernel's own part, per the module docstring."""
+def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device=None,
+                     window: int | None = None) -> int:
+    """The kernel's own part, per the module docstring; ``window``: a sliding window of that many tokens."""
     L, H, D = m["n_layer"], m["n_head"], m["d_model"]
     lse = B * H * T * LSE_BYTES  # (B, H, T) per layer
+    if window is not None and kernel == "banded":  # blocks of WINDOW_QUERIES against their W − 1 earlier keys
+        Q = min(attention.WINDOW_QUERIES, T)
+        pattern = H * Q * (Q + window) * b  # the table and its mask pattern (a view of (H, 2Q + W))
+        if not training:
+            return 3 * H * T * b + pattern + B * H * (T + 2 * Q) * (D // H) * b + lse
+        return L * (lse + B * H * T * (D // H) * b) + pattern  # each layer: the blocks' outputs joined, their lse
+    if window is not None and kernel in ("dense", "contextual"):
+        return _windowed_pairs_bytes(spec, m, B, T, kernel, b, training, device, Window(window))
     if kernel == "flex" and training and not SCHEMES[_scheme_name(spec)].distance_table:
         per_pair, learned = _bias_graph(spec, m, T)
         if learned:  # attention.context builds the per-pair table (H, T, T) of each scheme instance (FIRE)
@@ -163,13 +232,30 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
     raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(attention.KERNELS)}")
 
 
-def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool) -> int:
+def _windowed_pairs_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device,
+                          window: Window) -> int:
+    """A sliding window through the dense or contextual kernel: as without it, with the (query, key) pairs of its
+    blocks in place of the causal triangle's (each block against its keys from the window's first on)."""
+    if kernel == "dense":
+        return _dense_bytes(spec, m, B, T, b, training, window)
+    per_pair, per_query = _contextual_saved(spec, m, T)
+    blocks = [(s, e) for s, e in attention._dense_blocks(T, m["n_head"], window)]
+    pairs = B * m["n_head"] * sum((e - s) * (e - window.first_key(s)) for s, e in blocks)
+    block = B * m["n_head"] * max((e - s) * (e - window.first_key(s)) for s, e in blocks)
+    temporaries = CONTEXT_TEMPORARIES * block * 4
+    if not training:
+        return temporaries
+    return int(m["n_layer"] * (per_pair * pairs + per_query * B * m["n_head"] * T)) + temporaries
+
+
+def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, window: Window | None = None) -> int:
     """Dense kernel: per layer the probabilities (math path) or the masks (fused path), plus the bias's graph."""
     L, H, D = m["n_layer"], m["n_head"], m["d_model"]
-    blocks = attention._dense_blocks(T, H)  # [(start, end)]
-    pairs = sum((e - s) * e for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·end
-    block = max((e - s) * e for s, e in blocks)  # the largest block's pairs
-    once = H * T * T <= attention.BIAS_ELEMENTS  # the masks are built once per forward pass, else once per layer
+    blocks = attention._dense_blocks(T, H, window)  # [(start, end)]
+    first = (lambda s: 0) if window is None else window.first_key
+    pairs = sum((e - s) * (e - first(s)) for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·(end − first)
+    block = max((e - s) * (e - first(s)) for s, e in blocks)  # the largest block's pairs
+    once = H * (T * T if window is None else pairs) <= attention.BIAS_ELEMENTS  # masks built once per pass, or per layer
     copies = L if _per_layer(spec) else 1  # one set of masks per scheme instance
     mask = H * (pairs if once else block) * b * (copies if once else 1)  # masks alive at once (evaluation, forward)
     if not training:

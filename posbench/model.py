@@ -32,8 +32,12 @@ from torch import nn
 
 from posbench import attention
 from posbench.schemes.base import PositionalScheme
+from posbench.windows import Window, expand_pattern
 
 SSMAX_INIT = 0.43  # s of SSMax at initialisation: the default of the unofficial scalable-softmax package (PyPI)
+QK_NORM_EPS = 1e-6  # QK-norm's RMSNorm epsilon (Gemma 3's, Qwen 3's; Llama 4 uses 1e-5)
+SINK_STD = 0.02  # attention sinks start N(0, 0.02²): Hugging Face's GPT-OSS initialisation (initializer_range)
+
 
 
 class HeadNLL(torch.autograd.Function):
@@ -74,37 +78,47 @@ class HeadNLL(torch.autograd.Function):
 
 class Attention(nn.Module):
     """Causal multi-head self-attention whose positions come from the context of the forward pass
-    (posbench/attention.py: this layer's scheme, kernel, rotation tables, bias; dropout included), with the
-    length-dependent scaling of the queries ``attn_scale`` (``attention.ATTN_SCALES``; see :class:`GPT`)."""
+    (posbench/attention.py: this layer's scheme, kernel, window, rotation tables, bias; dropout included), with the
+    length-dependent scaling of the queries ``attn_scale`` (``attention.ATTN_SCALES``; see :class:`GPT`), optionally
+    QK-norm (``qk_norm``: RMSNorm of each head's query and key before any rotation, with or without a learned gain per
+    head dimension, ``qk_weight``) and a learned sink logit per head (``sink``)."""
 
-    def __init__(self, d_model: int, n_head: int, attn_scale: str = "none"):
+    def __init__(self, d_model: int, n_head: int, attn_scale: str = "none", qk_norm: bool = False,
+                 qk_weight: bool = True, sink: bool = False):
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
         if attn_scale == "ssmax":  # Nakanishi 2025: s learned per head (and per layer)
             self.ssmax = nn.Parameter(torch.full((n_head,), SSMAX_INIT))  # (H,)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # (Dh,) gains, initialised to 1, where qk_weight
+            self.q_norm, self.k_norm = (nn.RMSNorm(d_model // n_head, eps=QK_NORM_EPS, elementwise_affine=qk_weight)
+                                        for _ in range(2))
+        self.sink = nn.Parameter(torch.zeros(n_head)) if sink else None  # (H,) (drawn by GPT's initialisation)
 
     def forward(self, x: torch.Tensor, ctx: attention.Context, log_n: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, D); log_n: None (no scaling), or the (T, 1) factor of ``log_n`` scaling, or ln n (T, 1) for
         ``ssmax``, n = 1 … T the keys each query sees → (B, T, D)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
+        if self.q_norm is not None:  # x / rms(x) per head, before the rotation (which keeps each head's norm)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = ctx.scheme.rotate(q, k, ctx.rotation)
         if log_n is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
             factor = self.ssmax[:, None, None] * log_n.to(self.ssmax.dtype) if hasattr(self, "ssmax") else log_n
             q = q * factor.to(q.dtype)  # factor: (H, T, 1) or (T, 1)
-        y = attention.attend(q, k, v, ctx)  # (B, H, T, Dh)
+        y = attention.attend(q, k, v, ctx) if self.sink is None else attention.attend(q, k, v, ctx, self.sink)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model, n_head, d_ff, dropout, attn_scale="none"):
+    def __init__(self, d_model, n_head, d_ff, dropout, attn_scale="none", qk_norm=False, qk_weight=True, sink=False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head, attn_scale)
+        self.attn = Attention(d_model, n_head, attn_scale, qk_norm, qk_weight, sink)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
         self.drop = nn.Dropout(dropout)
 
@@ -114,16 +128,32 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only causal language model with a pluggable positional scheme.
+    """Decoder-only causal language model with a pluggable positional scheme, its layers local or global.
 
     Args:
         vocab_size: V, tokens in the vocabulary.
         n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
         dropout: dropout probability on the embeddings and the residual branches (0 disables it).
-        scheme: the positional scheme, shared by all layers; or a list of ``n_layer`` schemes of one class, one per
-            layer (a scheme whose reference builds one per attention layer: ``scheme.per_layer``, FIRE's and CoPE's;
-            posbench.build.build_model makes them). Registered as ``self.scheme``: the scheme itself (state-dict keys
-            ``scheme.*``), or an ``nn.ModuleList`` (``scheme.<layer>.*``).
+        scheme: the positional scheme of the local (L) layers, and of the global (G) ones when ``global_scheme`` is
+            None: one instance shared by them all, or a list of instances of one class, one per layer that uses it,
+            in layer order (a scheme whose reference builds one per attention layer: ``scheme.per_layer``, FIRE's and
+            CoPE's; posbench.build.build_model makes them). Registered as ``self.scheme``: the scheme itself
+            (state-dict keys ``scheme.*``), or an ``nn.ModuleList`` (``scheme.<i>.*``).
+        global_scheme: the G layers' scheme (an instance or a per-layer list of the G layers, as ``scheme``), of any
+            class but one that embeds positions; ``self.global_scheme`` (``global_scheme.*``); None: ``scheme``.
+        layer_pattern: which layers are local and which global: ``L`` and ``G`` letters repeated over the layers
+            from the first (posbench.windows.expand_pattern: ``LLLG`` at 4 layers, ``LG`` alternating); ``G``, the
+            default, makes every layer global, the model as before.
+        window, window_kind: the L layers' attention window (posbench/windows.py): W ≥ 1 tokens of a ``sliding``
+            window (query i sees key j when 0 ≤ i − j < W) or the chunk length of a ``chunked`` one (j ≤ i in the
+            same chunk of W); None: the L layers attend to every earlier key.
+        qk_norm: ``none``, or ``rms``: each head's query and key divided by their root mean square (RMSNorm, eps
+            :data:`QK_NORM_EPS`) before any rotation (Dehghani et al. 2023; Gemma 3, OLMo 2, Qwen 3, Llama 4), on
+            ``qk_norm_layers`` (``all``, or ``local``: the L layers, as Llama 4's RoPE layers), with a learned gain per
+            head dimension when ``qk_norm_weight`` (initialised to 1), without one otherwise (Llama 4: then it equals
+            Llama 4's norm after the rotation, which keeps each head's norm).
+        attn_sink: a learned logit per head and layer joins every softmax's denominator and is dropped
+            (GPT-OSS's attention sinks; Xiao et al. 2023's sink as a parameter), initialised N(0, :data:`SINK_STD`²).
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
             GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
         attn_scale: length-dependent attention scaling (``attention.ATTN_SCALES``), a factor on each query, so on its
@@ -142,17 +172,24 @@ class GPT(nn.Module):
             disables it). Any attention dropout moves a bias scheme off FlexAttention on CUDA, which has none
             (``attention.choose_kernel``).
     Raises:
-        ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not ``n_layer`` long, of several classes,
-            or of a class that embeds positions (it would add them once, before the first layer); an unknown
-            ``attn_scale``; ``log_n`` without a ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
+        ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not as long as the layers that use it,
+            of several classes, or of a class that embeds positions (it would add them once, before the first layer);
+            a scheme that embeds positions beside a ``global_scheme``; a bad ``layer_pattern``; a window without an L
+            layer, of size below 1 or of an unknown kind; a ``global_scheme`` without a G layer; an unknown
+            ``attn_scale``, ``qk_norm`` or ``qk_norm_layers``, or ``local`` without an L layer; ``log_n`` without a
+            ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
-    by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them.
+    by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them; attention
+    sinks are drawn last, so every other weight is the one a model without them draws.
     """
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
                  scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
-                 attn_scale: str = "none", scale_length: int | None = None, attn_dropout: float = 0.0):
+                 attn_scale: str = "none", scale_length: int | None = None, attn_dropout: float = 0.0,
+                 global_scheme: PositionalScheme | list[PositionalScheme] | None = None, layer_pattern: str = "G",
+                 window: int | None = None, window_kind: str = "sliding", qk_norm: str = "none",
+                 qk_norm_layers: str = "all", qk_norm_weight: bool = True, attn_sink: bool = False):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
@@ -162,44 +199,69 @@ class GPT(nn.Module):
             raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
         if not 0 <= attn_dropout < 1:
             raise ValueError(f"attn_dropout={attn_dropout!r} is not a dropout probability, 0 <= p < 1")
-        per_layer = isinstance(scheme, (list, tuple))
-        kinds = {type(s) for s in scheme} if per_layer else {type(scheme)}
-        if per_layer and (len(scheme) != n_layer or len(kinds) != 1):
-            raise ValueError(f"{len(scheme)} schemes of {len(kinds)} classes for {n_layer} layers: give one "
-                             "scheme, or one per layer of one class")
-        if per_layer and type(scheme[0]).embed is not PositionalScheme.embed:
-            raise ValueError(f"{type(scheme[0]).__name__} adds positions to the embeddings, once: it cannot "
-                             "be built per layer")
-        self.scheme = nn.ModuleList(scheme) if per_layer else scheme
+        kinds = expand_pattern(layer_pattern, n_layer)  # one letter per layer
+        users = n_layer if global_scheme is None else kinds.count("L")  # the layers of self.scheme
+        self.windows = _windows(kinds, window, window_kind)  # per layer: a Window or None
+        if global_scheme is not None and "G" not in kinds:
+            raise ValueError(f"global_scheme given, but layer_pattern={layer_pattern!r} has no G layer to use it")
+        if global_scheme is not None and "L" not in kinds:
+            raise ValueError(f"global_scheme given, but layer_pattern={layer_pattern!r} has no L layer: give the "
+                             "scheme as scheme")
+        self.scheme = _scheme_module(scheme, users, "scheme", embed_ok=global_scheme is None)
+        self.global_scheme = None if global_scheme is None else _scheme_module(
+            global_scheme, kinds.count("G"), "global_scheme", embed_ok=False)
+        self.kinds = kinds
+        if qk_norm not in attention.QK_NORMS or qk_norm_layers not in attention.QK_NORM_LAYERS:
+            raise ValueError(f"qk_norm={qk_norm!r}, qk_norm_layers={qk_norm_layers!r}: choose qk_norm "
+                             f"{' or '.join(attention.QK_NORMS)}, qk_norm_layers {' or '.join(attention.QK_NORM_LAYERS)}")
+        if qk_norm == "rms" and qk_norm_layers == "local" and "L" not in kinds:
+            raise ValueError(f"qk_norm_layers=local, but layer_pattern={layer_pattern!r} has no L layer")
+        normed = [qk_norm == "rms" and (qk_norm_layers == "all" or kind == "L") for kind in kinds]
         self.n_head, self.attn_dropout = n_head, attn_dropout
         self.attn_scale, self.scale_length = attn_scale, scale_length
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, attn_scale) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, attn_scale, normed[i], qk_norm_weight,
+                                          attn_sink) for i in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied input and output embeddings
         for name, p in self.named_parameters():
-            if name.startswith("scheme.") or name.endswith(".ssmax"):
+            if name.startswith(("scheme.", "global_scheme.")) or name.endswith(".ssmax"):
                 continue
             if p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        for block in self.blocks if attn_sink else ():  # last: every other weight as without sinks
+            nn.init.normal_(block.attn.sink, std=SINK_STD)
 
     @property
     def layer_schemes(self) -> list[PositionalScheme]:
-        """Each layer's scheme instance: the shared one n_layer times, or layer l's own."""
-        return list(self.scheme) if isinstance(self.scheme, nn.ModuleList) else [self.scheme] * len(self.blocks)
+        """Each layer's scheme instance: the shared one of its kind (local or global), or layer l's own."""
+        parts = {"L": self._instances(self.scheme), "G": self._instances(self.global_scheme or self.scheme)}
+        if self.global_scheme is None:
+            return parts["L"]
+        taken = {"L": iter(parts["L"]), "G": iter(parts["G"])}
+        return [next(taken[kind]) for kind in self.kinds]
+
+    def _instances(self, module) -> list[PositionalScheme]:
+        """The instances of a scheme module, one per layer that uses it (a shared one repeated)."""
+        users = len(self.blocks) if self.global_scheme is None else self.kinds.count("L" if module is self.scheme else "G")
+        return list(module) if isinstance(module, nn.ModuleList) else [module] * users
 
     def scheme_parts(self) -> list[tuple[str, PositionalScheme]]:
         """Each scheme instance with its state-dict prefix: ``[("scheme.", scheme)]`` when shared,
-        ``[("scheme.0.", layer 0's), …]`` per layer."""
-        if isinstance(self.scheme, nn.ModuleList):
-            return [(f"scheme.{i}.", s) for i, s in enumerate(self.scheme)]
-        return [("scheme.", self.scheme)]
+        ``[("scheme.0.", layer 0's), …]`` per layer; then the global scheme's (``global_scheme.``), if any."""
+        parts = []
+        for prefix, module in (("scheme.", self.scheme), ("global_scheme.", self.global_scheme)):
+            if isinstance(module, nn.ModuleList):
+                parts += [(f"{prefix}{i}.", s) for i, s in enumerate(module)]
+            elif module is not None:
+                parts.append((prefix, module))
+        return parts
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 last: int | None = None) -> torch.Tensor:
@@ -212,14 +274,17 @@ class GPT(nn.Module):
             pos, span = torch.arange(idx.shape[1], device=idx.device), idx.shape[1]
         layers = self.layer_schemes
         x = self.drop(layers[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
-        # once per pass and scheme instance (every layer's, or each layer's own): kernel, rotation tables, bias blocks
+        # once per pass, scheme instance and window (every layer's, or each layer's own): kernel, rotation tables, bias
         dropout = self.attn_dropout if self.training else 0.0  # of the attention probabilities
+        sink = self.blocks[0].attn.sink is not None
         contexts = {}
-        for _, s in self.scheme_parts():  # (a loop: torch.compile cannot resume a comprehension after a graph break)
-            contexts[id(s)] = attention.context(s, pos, self.n_head, x.dtype, dropout, span=span)
+        for s, window in zip(layers, self.windows):  # (a loop: torch.compile cannot resume a comprehension after a
+            if (id(s), window) not in contexts:  # graph break)
+                contexts[(id(s), window)] = attention.context(s, pos, self.n_head, x.dtype, dropout, span=span,
+                                                              window=window, sink=sink)
         log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
-        for block, scheme in zip(self.blocks, layers):
-            x = block(x, contexts[id(scheme)], log_n)
+        for block, scheme, window in zip(self.blocks, layers, self.windows):
+            x = block(x, contexts[(id(scheme), window)], log_n)
         x = self.ln_f(x)  # (B, T, D)
         if targets is None:
             return self.head(x if last is None else x[:, -last:])  # (B, T, V) or (B, last, V)
@@ -235,3 +300,33 @@ class GPT(nn.Module):
         """(T, 1) float64: ln n for n = 1 … T (``ssmax``), divided by ln L for ``log_n``."""
         log_n = torch.arange(1, T + 1, device=device, dtype=torch.float64).log()[:, None]  # (T, 1)
         return log_n / math.log(self.scale_length) if self.attn_scale == "log_n" else log_n
+
+
+def _windows(kinds: str, window: int | None, window_kind: str) -> list[Window | None]:
+    """Each layer's window: ``Window(window, window_kind)`` for an L layer, None for a G layer or without a window.
+    Raises ValueError for a window without an L layer, or one posbench.windows.Window refuses."""
+    if window is None:
+        return [None] * len(kinds)
+    if "L" not in kinds:
+        raise ValueError(f"window={window!r} applies to the L layers, and layer_pattern {kinds} has none")
+    w = Window(window, window_kind)
+    return [w if kind == "L" else None for kind in kinds]
+
+
+def _scheme_module(scheme, users: int, name: str, embed_ok: bool) -> nn.Module:
+    """The module a scheme argument registers: the instance, or an ``nn.ModuleList`` of one instance per layer that
+    uses it (``users``). Raises ValueError: a list of another length or of several classes; a scheme that embeds
+    positions built per layer, or beside another scheme (``embed_ok`` False)."""
+    per_layer = isinstance(scheme, (list, tuple))
+    kinds = {type(s) for s in scheme} if per_layer else {type(scheme)}
+    if per_layer and (len(scheme) != users or len(kinds) != 1):
+        raise ValueError(f"{len(scheme)} schemes of {len(kinds)} classes for the {users} layers of {name}: give one "
+                         "scheme, or one per layer of one class")
+    embeds = type(scheme[0] if per_layer else scheme).embed is not PositionalScheme.embed
+    if embeds and per_layer:
+        raise ValueError(f"{type(scheme[0]).__name__} adds positions to the embeddings, once: it cannot "
+                         "be built per layer")
+    if embeds and not embed_ok:
+        raise ValueError(f"{type(scheme[0] if per_layer else scheme).__name__} adds positions to the embeddings, once, "
+                         "before the first layer: it cannot be the scheme of some layers only")
+    return nn.ModuleList(scheme) if per_layer else scheme

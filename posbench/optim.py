@@ -31,12 +31,14 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: st
 
 def make_optimizer(model: torch.nn.Module, t: DictConfig, fused: bool) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019). Decayed: the model's matrices (dim ≥ 2: embeddings, projections);
-    not decayed: biases, LayerNorm gains and SSMax's s. A scheme's parameters (``scheme.*``, shared or per layer) are
-    decayed exactly when its class says so (``PositionalScheme.weight_decay``), whatever their rank."""
-    scheme_decays = model.layer_schemes[0].weight_decay
+    not decayed: biases, LayerNorm and QK-norm gains, SSMax's s and attention sinks. A scheme's parameters
+    (``scheme.*``, shared or per layer; a hybrid model's ``global_scheme.*``) are decayed exactly when its class says so
+    (``PositionalScheme.weight_decay``), whatever their rank."""
+    parts = model.scheme_parts()  # [(state-dict prefix, scheme instance)]
 
     def decayed(name: str, p: torch.Tensor) -> bool:
-        return scheme_decays if name.startswith("scheme.") else p.dim() >= 2
+        owner = next((s for prefix, s in parts if name.startswith(prefix)), None)
+        return owner.weight_decay if owner is not None else p.dim() >= 2
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if decayed(n, p)], "weight_decay": t.weight_decay},

@@ -18,6 +18,7 @@ status: "failed", error, step, results: [], config}``. ``posbench report`` reads
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 from collections import defaultdict
@@ -27,7 +28,8 @@ import torch
 
 from posbench import context
 from posbench.report import retrieval
-from posbench.schemes import variant_label
+from posbench.schemes import SCHEMES, variant_label
+from posbench.windows import Window
 
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
 FORMAT = 4  # 4: a rotary scheme records yarn_ramp; 3: config.scheme holds the scheme's own options only; 2: rows
@@ -64,9 +66,10 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     weights (``lineage``: posbench/lineage.py), what it did from there: ``ft<L>×<steps>`` (fine-tuned at length L
     for that many steps; ×0: the parent's weights evaluated as they are), and the parent's scheme when it changed
     (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``).
-    Training-side tricks follow the scheme's label: randomized positions (``+rand<M>``, ``train.random_positions``)
+    Hybrid layers follow the scheme's label (:func:`layers_label`: ``rope+LLLG(w32, G=nope)``), then training-side
+    tricks: randomized positions (``+rand<M>``, ``train.random_positions``), PoSE (``+pose<L_t>``, ``train.pose``)
     and length-dependent attention scaling (``+log_n``, ``+ssmax``, ``model.attn_scale``): ``alibi+rand1024``."""
-    label = variant_label(config["scheme"]) + tricks_label(config)
+    label = variant_label(config["scheme"]) + layers_label(config) + tricks_label(config)
     if not lineage:
         return label
     changed = f"{lineage['scheme']}→" if lineage.get("scheme") not in (None, config["scheme"]["name"]) else ""
@@ -74,12 +77,55 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
 
 
 def tricks_label(config: dict) -> str:
-    """``+rand<M>`` and ``+log_n`` (``+log_n<L'>`` when its ``model.scale_length`` is not the train length) or ``+ssmax``
-    for the tricks a config trains with; "" for none (older records lack the keys: none)."""
+    """``+rand<M>``, ``+pose<L_t>`` (``+pose<L_t>n<N>`` for N chunks other than 2) and ``+log_n`` (``+log_n<L'>`` when
+    its ``model.scale_length`` is not the train length) or ``+ssmax`` for the tricks a config trains with; "" for none
+    (older records lack the keys: none)."""
     train, model = config.get("train") or {}, config.get("model") or {}
     scale, length = model.get("attn_scale") or "none", model.get("scale_length")
     scale = "" if scale == "none" else f"+{scale}" + (str(length) if length not in (None, train.get("seq_len")) else "")
-    return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + scale
+    pose = f"+pose{train['pose']}" + (f"n{train['pose_chunks']}" if train.get("pose_chunks", 2) != 2 else "") \
+        if train.get("pose") else ""
+    return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + pose + scale
+
+
+def layers_label(config: dict) -> str:
+    """What a model's layers add to its label: a pattern with L layers as ``+<pattern>(<parts>)``, the parts its
+    window (``w32`` sliding, ``c32`` chunked), its global scheme (``G=nope``; ``G=rope[base=1e+06]``: the global
+    scheme's variant label and its options that differ from their defaults), QK-norm (``qknorm``; ``0``: without a
+    gain; ``-L``: on the L layers only) and sinks (``sink``): ``rope+LLLG(c32, G=nope, qknorm0-L)``; without L layers,
+    the parts alone (``rope+qknorm+sink``); "" for today's default model (older records lack the keys: "")."""
+    model, seq_len = config.get("model") or {}, (config.get("train") or {}).get("seq_len")
+    pattern, parts = model.get("layer_pattern") or "G", []
+    if model.get("window"):
+        parts.append(Window(model["window"], model.get("window_kind") or "sliding").label())
+    if model.get("global_scheme"):
+        parts.append(f"G={_global_label(model['global_scheme'], seq_len)}")
+    if (model.get("qk_norm") or "none") != "none":
+        parts.append("qknorm" + ("" if model.get("qk_norm_weight", True) else "0")
+                     + ("-L" if model.get("qk_norm_layers") == "local" else ""))
+    if model.get("attn_sink"):
+        parts.append("sink")
+    if "L" in pattern:
+        return f"+{pattern}" + (f"({', '.join(parts)})" if parts else "")
+    return "".join(f"+{p}" for p in parts)
+
+
+def _global_label(section, seq_len: int | None) -> str:
+    """A global scheme section's label: its variant label and, in brackets, its options that differ from its Config's
+    defaults filled from ``seq_len`` (a name alone: the name)."""
+    section = {"name": section} if isinstance(section, str) else dict(section)
+    label = variant_label(section)
+    try:
+        defaults = SCHEMES[section["name"]].make_config()
+        if seq_len:
+            defaults.fill(seq_len)
+        default = dataclasses.asdict(defaults)
+    except (KeyError, ValueError, TypeError):
+        return label
+    differ = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in section.items()  # (not those the
+              if k != "name" and k in default and v != default[k]  # variant label states already)
+              and variant_label({**section, k: default[k]}) == label]
+    return label + (f"[{','.join(differ)}]" if differ else "")
 
 
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
@@ -118,8 +164,12 @@ def new_eval_stem(run_dir: Path, label: str, protocol: str, split: str) -> str:
 
 def file_label(label: str) -> str:
     """A run label as a file name's part: ``×`` written ``x``, ``→`` written ``-to-``, whitespace ``_``, so that a
-    fine-tuned run's ``rope→nope ft512×200`` names ``rope-to-nope_ft512x200`` (no space to quote in a shell)."""
-    return "_".join(label.replace("×", "x").replace("→", "-to-").split())
+    fine-tuned run's ``rope→nope ft512×200`` names ``rope-to-nope_ft512x200`` (no space to quote in a shell); a hybrid's
+    brackets and commas ``_``, ``=`` ``-``: ``rope+LLLG(w32, G=nope)`` names ``rope+LLLG_w32_G-nope``."""
+    for old, new in (("×", "x"), ("→", "-to-"), (", ", " "), (",", " "), ("(", " "), ("[", " "), (")", ""), ("]", ""),
+                     ("=", "-")):
+        label = label.replace(old, new)
+    return "_".join(label.split())
 
 
 def _base(rec: dict) -> dict:

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from posbench import build, checkpoint, context, dist, lineage, passkey, results
-from posbench.batches import copy_rate, get_batch, random_positions
+from posbench.batches import copy_rate, get_batch, pose_positions, random_positions
 from posbench.config import to_dict
 from posbench.device import autocast_dtype, flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
@@ -255,6 +255,8 @@ class Loop:
         extra = {}
         if t.random_positions:  # (off: the call, and every random number, as without the option)
             extra["pos"] = random_positions(seed, i, self.proc.rank, t.random_positions, t.seq_len).to(self.proc.device)
+        if t.pose:  # (the same)
+            extra["pos"] = pose_positions(seed, i, self.proc.rank, t.pose, t.seq_len, t.pose_chunks).to(self.proc.device)
         def forward():
             with self.autocast:
                 return self.forward(x, targets=y, **extra).mean()  # mean NLL over the batch's B·L targets

@@ -111,13 +111,11 @@ def check_memory(job: TrainJob) -> None:
         return
     device = torch.device(dist.device_of(str(resolve_device(t.device))))
     longest = longest_length(e)
-    try:
-        kernel = memory.kernel_for(job.spec["scheme"]["name"], device, True, job.config.model.attn_dropout)
-        memory.check_fits(job.spec, t.batch_size, t.seq_len, kernel, device,
+    try:  # (each layer's kernel: posbench.memory.layer_kernels)
+        memory.check_fits(job.spec, t.batch_size, t.seq_len, None, device,
                           f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
-        memory.check_fits(job.spec, max(1, e.batch_tokens // longest), longest, memory.kernel_for(
-            job.spec["scheme"]["name"], device, False), device, f"eval.lengths (up to {longest}) × eval.batch_tokens="
-            f"{e.batch_tokens}", training=False)
+        memory.check_fits(job.spec, max(1, e.batch_tokens // longest), longest, None, device,
+                          f"eval.lengths (up to {longest}) × eval.batch_tokens={e.batch_tokens}", training=False)
     except memory.MemoryTooSmall as err:
         raise ConfigError(f"{err} (or, if you know it fits, train.check_memory=false)") from None
 

@@ -38,6 +38,14 @@ step ≤ 1.10× RoPE's; training ≥ 60% of the matmul ceiling; and on CUDA, whe
 ≥ 40%. The script exits 1 when a target is missed (the JSON is written first), 0 when all are met. Every scheme is built
 with its options filled from L (``Config.fill``), as ``posbench train`` builds it (CoPE: npos = L + 1).
 
+**Windowed and hybrid models** (``--hybrids``, or cases ``<scheme>[+scale]/<pattern>[:w<W>|:c<W>][:G=<scheme>][:sink]``,
+e.g. ``rope/L:w32``: every layer a sliding window of 32; ``rope/LLLG:c32:G=nope``: Llama 4's layers; ``rope/LG:w32:sink``:
+GPT-OSS's): ``model.layer_pattern``, ``model.window``/``window_kind``, ``model.global_scheme``, ``model.attn_sink``
+(posbench/model.py). Targets, beside the others: a model whose every layer is windowed (pattern ``L``) evaluates a
+token at 16L within :data:`WINDOW_TOKEN_X` of its own time per token at L, and its memory growth at every length
+within 2× nope's (its attention's memory is bounded by the window); and a hybrid's train step within 1.10× RoPE's, as
+every case's.
+
 ``--compile`` compiles training only (``GPT.forward``, as ``train.compile=true`` does; ``--compile-backend eager``
 checks the compile path without generating code). Every case compiles the same code object, of which Dynamo keeps
 8 compiled variants by default (``torch._dynamo.config.recompile_limit``) before it runs the next cases eager with
@@ -84,6 +92,9 @@ CONTEXTUAL_X = 3.0  # CoPE's evaluation time and memory growth against nope's (i
 TARGET_MULTIPLES = (16, 64)  # evaluation targets apply at 16L and 64L
 MARK = {True: "✓", False: "✗"}
 SCALED = ("rope+log_n", "rope+ssmax", "alibi+log_n", "alibi+ssmax")  # default cases with length-dependent scaling
+HYBRIDS = ("rope/L:w32", "rope/L:c32", "alibi/L:w32", "t5/L:w32", "rope/LLLG:w32:G=nope", "rope/LLLG:c32:G=nope",
+           "rope/LG:w32:sink")  # --hybrids: windowed models (every layer, L), and hybrids' layers
+WINDOW_TOKEN_X = 1.2  # a windowed model's time per token at 16L over its time per token at L
 MEM_FLOOR = 1 << 20  # bytes: a smaller growth counts as this much in ratios
 N = 1024  # matmul ceiling size on CPU
 N_CUDA = 8192  # matmul ceiling size on CUDA: compute-bound (1024³ is launch-bound on a GPU)
@@ -116,6 +127,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--schemes", nargs="+", default=[*SCHEMES, *SCALED], type=case_name, metavar="SCHEME[+SCALE]",
                    help=f"of {', '.join(SCHEMES)}, each optionally with +{' or +'.join(ATTN_SCALES[1:])} "
                         f"(model.attn_scale); default: all, and {' '.join(SCALED)} (nope, the baseline, is always added)")
+    p.add_argument("--hybrids", action="store_true", help=f"add the windowed and hybrid cases {' '.join(HYBRIDS)}")
     p.add_argument("--repeats", type=int, default=3, help="timings per evaluation case; the median is kept")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
@@ -125,26 +137,57 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-case", help=argparse.SUPPRESS)  # SCHEME:LENGTH, the child process of one case
     args = p.parse_args(argv)
     args.lengths = args.lengths or [args.seq_len * 2**k for k in range(7)]
-    args.schemes = [BASELINE] + [s for s in dict.fromkeys(args.schemes) if s != BASELINE]
+    args.schemes = [BASELINE] + [s for s in dict.fromkeys([*args.schemes, *(HYBRIDS if args.hybrids else ())])
+                                 if s != BASELINE]
     return args
 
 
 def case_name(text: str) -> str:
-    """A benchmark case: a registered scheme, optionally ``+log_n`` or ``+ssmax`` (argparse's type check)."""
-    scheme, _, scale = text.partition("+")
+    """A benchmark case: a registered scheme, optionally ``+log_n`` or ``+ssmax``, optionally ``/<layers>``
+    (:func:`layers_of`) (argparse's type check)."""
+    head, _, layers = text.partition("/")
+    scheme, _, scale = head.partition("+")
     if scheme not in SCHEMES or (scale and scale not in ATTN_SCALES[1:]):
         raise argparse.ArgumentTypeError(f"{text!r}: a scheme of {', '.join(SCHEMES)}, optionally "
-                                         f"+{' or +'.join(ATTN_SCALES[1:])}")
+                                         f"+{' or +'.join(ATTN_SCALES[1:])}, optionally /<pattern>[:w<W>|:c<W>]"
+                                         "[:G=<scheme>][:sink]")
+    try:
+        layers_of(layers)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
     return text
 
 
+def layers_of(text: str) -> dict:
+    """The model options of a case's ``/<layers>`` part: ``L:w32`` → every layer a sliding window of 32;
+    ``LLLG:c32:G=nope`` → chunked L layers, NoPE G layers; ``LG:w32:sink`` → with attention sinks. Raises ValueError
+    for another part."""
+    if not text:
+        return {}
+    pattern, *parts = text.split(":")
+    options = {"layer_pattern": pattern}
+    for part in parts:
+        if part[:1] in "wc" and part[1:].isdigit():
+            options.update(window=int(part[1:]), window_kind="sliding" if part[0] == "w" else "chunked")
+        elif part.startswith("G=") and part[2:] in SCHEMES:
+            options["global_scheme"] = {"name": part[2:]}
+        elif part == "sink":
+            options["attn_sink"] = True
+        else:
+            raise ValueError(f"{part!r} is not w<W>, c<W>, G=<scheme> or sink")
+    return options
+
+
 def make_model(args, case: str) -> torch.nn.Module:
-    """The model of a case ``scheme[+scale]`` (model.attn_scale ``scale``, log-n's L the benchmark's L), seed 0."""
+    """The model of a case ``scheme[+scale][/layers]`` (model.attn_scale ``scale``, log-n's L the benchmark's L; the
+    layers' options: :func:`layers_of`), seed 0."""
     torch.manual_seed(0)
-    scheme, _, scale = case.partition("+")
+    head, _, layers = case.partition("/")
+    scheme, _, scale = head.partition("+")
     spec = {"vocab_size": args.vocab, "scheme": {"name": scheme},
             "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model,
-                      "attn_scale": scale or "none", "scale_length": args.seq_len if scale == "log_n" else None}}
+                      "attn_scale": scale or "none", "scale_length": args.seq_len if scale == "log_n" else None,
+                      **layers_of(layers)}}
     config = SCHEMES[scheme].make_config()  # with the options posbench train derives from L (CoPE's npos)
     config.fill(args.seq_len)
     spec["scheme"].update(dataclasses.asdict(config))
@@ -154,12 +197,17 @@ def make_model(args, case: str) -> torch.nn.Module:
 
 
 def has_bias(case: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook
-    scheme = case.partition("+")[0]
+    scheme = case.partition("/")[0].partition("+")[0]
     return getattr(SCHEMES[scheme], "has_bias", getattr(SCHEMES[scheme], "bias", 0) is not getattr(PositionalScheme, "bias", 0))
 
 
 def contextual(case: str) -> bool:  # a content-dependent bias (CoPE): the contextual kernel, no evaluation target
-    return getattr(SCHEMES[case.partition("+")[0]], "contextual", False)
+    return getattr(SCHEMES[case.partition("/")[0].partition("+")[0]], "contextual", False)
+
+
+def windowed(case: str) -> bool:  # every layer local with a window: its evaluation's cost per token is flat in T
+    layers = layers_of(case.partition("/")[2])
+    return set(layers.get("layer_pattern", "G")) == {"L"} and "window" in layers
 
 
 def source_digest() -> str:
@@ -425,6 +473,14 @@ def main(argv=None) -> dict | None:
         for n, r in ev[s].items():
             base = ev[BASELINE][n]
             r["mem_x_nope"] = max(r["peak_growth_bytes"], MEM_FLOOR) / max(base["peak_growth_bytes"], MEM_FLOOR)
+            if windowed(s):  # memory bounded by the window at every length; time per token flat from L to 16L
+                marks[s, n] = (None, check(targets, f"windowed eval memory growth at {n // L}L <= {EVAL_MEM_X}x nope's",
+                                           s, r["mem_x_nope"], EVAL_MEM_X, length=n))
+                if n == 16 * L and L in ev[s]:
+                    r["token_x_at_L"] = (r["seconds"] / n) / (ev[s][L]["seconds"] / L)
+                    marks[s, n] = (check(targets, f"windowed eval time per token at 16L <= {WINDOW_TOKEN_X}x at L", s,
+                                         r["token_x_at_L"], WINDOW_TOKEN_X, length=n), marks[s, n][1])
+                continue
             if (has_bias(s) or contextual(s)) and n in (k * L for k in TARGET_MULTIPLES):
                 x_time, x_mem = (CONTEXTUAL_X, CONTEXTUAL_X) if contextual(s) else (EVAL_TIME_X, EVAL_MEM_X)
                 marks[s, n] = (check(targets, f"eval time at {n // L}L <= {x_time}x nope's", s, r["time_x_nope"],
@@ -432,20 +488,25 @@ def main(argv=None) -> dict | None:
                                check(targets, f"eval memory growth at {n // L}L <= {x_mem}x nope's", s,
                                      r["mem_x_nope"], x_mem, length=n))
 
-    print(f"\n{'':<11}{'train':<53}| eval time ×nope / peak memory growth ×nope at T =")
-    print(f"{'scheme':<11}{'tok/s':>8}{'step×nope':>11}{'step×rope':>11}{'GFLOP/s':>9}{'ceiling':>10}  "
+    w = max(11, 1 + max(map(len, schemes)))  # the first column
+    print(f"\n{'':<{w}}{'train':<53}| eval time ×nope / peak memory growth ×nope at T =")
+    print(f"{'scheme':<{w}}{'tok/s':>8}{'step×nope':>11}{'step×rope':>11}{'GFLOP/s':>9}{'ceiling':>10}  "
           + (f"{'MFU':>8}  " if top else "") + "|" + "".join(f"{n:>12}" for n in args.lengths))
     for s in schemes:
         r, row = tr[s], ""
         for n in args.lengths:
             t, m, ok = f"{ev[s][n]['time_x_nope']:.2f}", f"{ev[s][n]['mem_x_nope']:.2f}", marks.get((s, n))
-            row += f"{t + MARK[ok[0]] + '/' + m + MARK[ok[1]] if ok else t + '/' + m:>12}"
+            row += f"{t + MARK.get(ok[0], '') + '/' + m + MARK[ok[1]] if ok else t + '/' + m:>12}"
         mfu = f"{r['mfu']:>6.0%} {MARK[marks[s, 'mfu']]}  " if top else ""
         x_rope = f"{r['step_x_rope']:.2f}{MARK[marks[s, 'rope']]}" if (s, "rope") in marks else "-"
-        print(f"{s:<11}{r['tokens_per_s']:>8,.0f}{r['step_x_nope']:>11.2f}{x_rope:>11}{r['gflops']:>9.1f}"
+        print(f"{s:<{w}}{r['tokens_per_s']:>8,.0f}{r['step_x_nope']:>11.2f}{x_rope:>11}{r['gflops']:>9.1f}"
               f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  {mfu}|" + row)
     for s in filter(contextual, schemes):
         print(f"{s}: contextual kernel (every score materialised): evaluation targets {CONTEXTUAL_X}x nope's")
+    for s in filter(windowed, schemes):
+        x, ok = ev[s].get(16 * L, {}).get("token_x_at_L"), marks.get((s, 16 * L), (None,))[0]
+        if x is not None:
+            print(f"{s}: time per token at 16L / at L = {x:.2f} {MARK[ok]} (target <= {WINDOW_TOKEN_X})")
     print("nope eval seconds at T: " + ", ".join(f"{n}: {ev[BASELINE][n]['seconds']:.3g}" for n in args.lengths))
     print(f"targets met: {sum(t['met'] for t in targets)} of {len(targets)}")
     changed = {source_digest(), *(e["source"] for v in ev.values() for e in v.values())} != {info["source"]}

@@ -219,8 +219,9 @@ def test_every_closed_choice_is_declared_on_its_field():
     """The choices finalize checks are the fields' own (``choices(...)``: field metadata), each declared once."""
     import dataclasses
 
-    from posbench.attention import ATTN_SCALES
+    from posbench.attention import ATTN_SCALES, QK_NORM_LAYERS, QK_NORMS
     from posbench.config import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.windows import WINDOW_KINDS
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):
@@ -231,7 +232,8 @@ def test_every_closed_choice_is_declared_on_its_field():
 
     assert dict(declared(PosbenchConfig)) == {
         "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
-        "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS}
+        "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS,
+        "model.window_kind": WINDOW_KINDS, "model.qk_norm": QK_NORMS, "model.qk_norm_layers": QK_NORM_LAYERS}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -24,7 +24,9 @@ from posbench.upgrade import upgrade
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
            "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
 FT_KEYS = ("train.seq_len", "train.steps")  # what a fine-tuned run's label states (ft512×200)
-TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions")  # what every label states (+rand2048)
+TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions", "train.pose",  # what every label
+              "model.layer_pattern", "model.window", "model.global_scheme", "model.qk_norm", "model.attn_sink")  # states
+# (+rand2048, +LLLG(w32, G=nope); keys match as prefixes: model.window_kind, model.global_scheme.base, train.pose_chunks)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
 LABEL_WIDTH = 40  # the longest short row label with values (``alibi, data.passkey_rate=0.1``); longer: ``alibi #2``
 
