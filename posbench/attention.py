@@ -168,7 +168,8 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         window: the layers' window (posbench/windows.py), or None: causal attention over every earlier key.
         sink: the layers add a learned sink logit to each softmax (:func:`attend`).
     Raises:
-        ValueError: an unknown ``kernel``; ``flex`` where FlexAttention is missing, with dropout, or on CPU with
+        ValueError: an unknown ``kernel``; ``causal`` with a window, or with a sink but on CPU without gradients;
+            ``flex`` where FlexAttention is missing, with dropout, or on CPU with
             gradients on or a sink; ``folded`` for a scheme whose bias is not key-only, or with a window or a sink; ``banded``
             without torch's fused CPU attention, for a bias not of i − j alone, for positions that do not increase,
             or with gradients where keys past a ``far_constant`` bias's distance need their log-sum-exp (chosen
@@ -190,6 +191,9 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             kernel = "folded" if scheme.key_only_bias and window is None and not sink else "dense"
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel == "causal" and (window is not None or sink and (grad or flash_cpu is None or device.type != "cpu")):
+        raise ValueError("the causal kernel takes no window, and a sink only when evaluating on CPU (from SDPA's "
+                         "log-sum-exp)")
     ctx = Context(scheme, pos, scheme.rotation(pos, dtype), kernel, dropout, window=window, sink=sink)
     if kernel in ("flex", "dense") and per_distance or kernel == "banded":
         ctx.table = (distance_table(scheme, pos, dtype, span) if scheme.has_bias else  # (H, N), or (1, N) of zeros

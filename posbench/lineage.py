@@ -107,7 +107,7 @@ def inherited(parent: Parent) -> dict:
         raise ConfigError(f"init_from={parent.path.parent}: its scheme {parent.scheme['name']!r} is not registered; "
                           f"the schemes: {', '.join(sorted(SCHEMES))}")
     fields = {f.name for f in dataclasses.fields(scheme_schema(parent.scheme["name"]))}
-    layers = {k: v for k, v in parent.spec["model"].items() if k in LAYER_KEYS}
+    layers = {k: v for k, v in (parent.spec.get("model") or {}).items() if k in LAYER_KEYS}
     return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length, "model": layers}
 
 

@@ -163,13 +163,13 @@ def _layered_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, 
     of ⌈T/C⌉·B windows of C tokens; a sliding window's through ``window``)."""
     groups: dict[tuple, int] = {}
     kinds = expand_pattern(m["layer_pattern"], m["n_layer"])
-    for kind, (kernel, chunk, cls) in zip(kinds, layer_kernels(spec, device or "cpu", training, seq_len=T)):
+    for kind, (kernel, chunk, _) in zip(kinds, layer_kernels(spec, device or "cpu", training, seq_len=T)):
         sliding = m["window"] if kind == "L" and m["window"] and chunk is None and m["window"] < T else None
-        key = (kernel, chunk, cls, sliding)
+        key = (kernel, chunk, "G" if kind == "G" and m["global_scheme"] else "L", sliding)
         groups[key] = groups.get(key, 0) + 1
     total = 0
-    for (kernel, chunk, cls, sliding), layers in groups.items():
-        section = spec.get("scheme") or {} if SCHEMES[_scheme_name(spec)] is cls else m["global_scheme"]
+    for (kernel, chunk, which, sliding), layers in groups.items():
+        section = m["global_scheme"] if which == "G" else spec.get("scheme") or {}
         own = {**spec, "scheme": section, "model": {**spec.get("model", {}), "n_layer": layers}}
         sizes = {**m, "n_layer": layers}
         if chunk:

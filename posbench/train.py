@@ -91,7 +91,7 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     if progress.resumed_from:
         log.info("resumed from the checkpoint at step %d in %s", progress.step, out_dir / checkpoint.STATES)
     states.check_room(model)
-    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", cfg.scheme.name,
+    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", job.label,
              f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
              proc.device, proc.threads, job.corpus.root)
     with StopSignals() as stop:

@@ -61,10 +61,13 @@ def scheme_section(scheme: dict, fmt: int | None = None) -> dict:
 def model_section(model: dict) -> dict:
     """A recorded spec's model section with every key of today's ``ModelConfig`` (but ``name``) it lacks at its default
     (``attn_scale: none`` for a model from before the option: what it was), but ``attn_dropout``, which reads as its
-    ``dropout`` (module docstring); the one reader of a spec's model section (posbench.build.build_model,
-    posbench.memory). Returns a new dict."""
+    ``dropout`` (module docstring), and a ``global_scheme`` given by name as its section ``{"name": ...}``; the one
+    reader of a spec's model section (posbench.build.build_model, posbench.memory). Returns a new dict."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "name"}
-    return {**defaults, "attn_dropout": model.get("dropout", defaults["dropout"]), **model}
+    section = {**defaults, "attn_dropout": model.get("dropout", defaults["dropout"]), **model}
+    if isinstance(section["global_scheme"], str):  # a global scheme by name: its section
+        section["global_scheme"] = {"name": section["global_scheme"]}
+    return section
 
 
 def upgrade(config: dict, fmt: int | None = None) -> dict:
