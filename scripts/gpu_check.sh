@@ -17,7 +17,8 @@
 #   resume     torchrun --nproc_per_node=1: SIGTERM to the worker mid-run (checkpoint, exit 75), the same command
 #              again resumes from that step and finishes; metrics.jsonl holds every step once
 #   bench.*    scripts/benchmark.py at model=small, L=512, --compile, bf16: every case compiled; each bias scheme's
-#              train step <= 1.3x RoPE's; at 16L (8192) its evaluation <= 1.5x causal SDPA's time, <= 2x its memory
+#              train step <= 1.3x RoPE's; at 16L (8192) its evaluation <= 1.5x causal SDPA's time, <= 2x its memory;
+#              the same for a model of sliding-window layers (W = L/4), Llama 4's and GPT-OSS's layers (with sinks)
 #   mfu        scripts/benchmark.py at model=base (12 x 768), L=1024, bf16, --compile: RoPE's training >= 40% of the
 #              device's datasheet bf16 peak (SKIP for a device not in the benchmark's PEAKS table)
 #
@@ -60,7 +61,8 @@ for t in T_VERSIONS T_ZOO T_NCCL T_RESUME T_SMALL T_BASE; do  # GPU_CHECK_T_ZOO=
     v=GPU_CHECK_$t
     [[ -n ${!v:-} ]] && declare "$t=${!v}"
 done
-read -r -a BENCH_SCHEMES <<<"${GPU_CHECK_BENCH_SCHEMES:-nope rope alibi t5 kerple_log fire sandwich}"
+read -r -a BENCH_SCHEMES <<<"${GPU_CHECK_BENCH_SCHEMES:-nope rope alibi t5 kerple_log fire sandwich rope/L:w128 \
+rope/LLLG:c128:G=nope rope/LG:w128:sink}"  # (the last three: windowed and hybrid layers, Flex with a window's BlockMask)
 COMMON=(train.device="$DEVICE" train.warmup_steps=2 train.sync_every=5 train.log_every=5 wandb.enabled=false)
 
 if [[ ${GPU_CHECK_PRINT_CONFIG:-0} == 1 ]]; then  # the overrides and flags below, one a line (tests/test_gpu_check.py)

@@ -86,6 +86,31 @@ def test_scaled_and_contextual_cases(tmp_path, capsys):
     assert bad.value.code == 2 and "'rope+logn'" in capsys.readouterr().err
 
 
+def test_windowed_and_hybrid_cases(tmp_path, capsys):
+    """A model of sliding-window layers (``rope/L:w2``) and a hybrid (``rope/LG:c2:G=nope``) run; the windowed model
+    gets its targets (memory growth against nope's at every length, its time per token at 16L against its own at L),
+    the hybrid the train step's against RoPE's; a case with a part the parser does not know is refused."""
+    out = tmp_path / "bench.json"
+    args = [*TINY, "--layers", "2", "--schemes", "rope", "rope/L:w2", "rope/LG:c2:G=nope", "--lengths", "4", "64",
+            "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert proc.returncode == (0 if r["all_targets_met"] else 1), proc.stderr[-3000:]
+    assert list(r["train"]) == ["nope", "rope", "rope/L:w2", "rope/LG:c2:G=nope"]
+    windowed = sorted((t["target"].split(" at ")[0], t.get("length")) for t in r["targets"] if t["scheme"] == "rope/L:w2"
+                      and t.get("length"))
+    assert windowed == [("windowed eval memory growth", 4), ("windowed eval memory growth", 64),
+                        ("windowed eval time per token", 64)]
+    per_token = r["eval"]["rope/L:w2"]["64"]
+    assert per_token["token_x_at_L"] == pytest.approx(per_token["seconds"] / 64 / (r["eval"]["rope/L:w2"]["4"]["seconds"] / 4))
+    assert any(t["scheme"] == "rope/LG:c2:G=nope" and t["target"].startswith("train step") for t in r["targets"])
+    assert "rope/L:w2: time per token at 16L / at L" in proc.stdout
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        load_benchmark().parse([*TINY, "--schemes", "rope/LG:x2"])
+    assert bad.value.code == 2 and "'x2'" in capsys.readouterr().err
+
+
 def load_benchmark():
     spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -21,7 +21,8 @@ from posbench.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-BENCH = ["nope", "rope", "alibi", "t5", "kerple_log", "fire", "sandwich"]  # the script's --schemes
+BENCH = ["nope", "rope", "alibi", "t5", "kerple_log", "fire", "sandwich", "rope/L:w128", "rope/LLLG:c128:G=nope",
+         "rope/LG:w128:sink"]  # the script's --schemes
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
