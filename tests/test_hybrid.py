@@ -257,6 +257,33 @@ def test_flex_on_cpu_takes_both_windows(monkeypatch):
         assert_close(y.double(), y_ref, **VALUES)
 
 
+@pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
+@pytest.mark.parametrize("window", [None, Window(8), Window(12, "chunked")], ids=["full", "sliding", "chunked"])
+def test_flex_trains_a_sink_through_its_log_sum_exp(monkeypatch, window):
+    """Flex as on CUDA, with gradients: its backward emulated on CPU (Flex's own math through aot_autograd, as
+    tests/test_flex_tables.py does), the sink scaling the output by σ(lse − sink): values and the gradients of q, k,
+    v and the sink against the float64 attention, for ALiBi with each window."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    monkeypatch.setattr(attention, "flex_backward", lambda device: True)
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention, backend="aot_eager"))
+    scheme, T = make_scheme("alibi", 40), 40
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, H, T, DH, generator=g).requires_grad_() for _ in range(3))
+    sink = torch.tensor([0.5, 2.0, -1.0, 3.0], requires_grad=True)
+    ctx, y = run_kernel(scheme, q, k, v, torch.arange(T), window, sink, "flex", True)
+    assert ctx.kernel == "flex" and ctx.sink
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    y_ref, _ = reference(scheme, *leaves[:3], torch.arange(T), window, leaves[3])
+    assert_close(y.double(), y_ref.detach(), **VALUES)
+    w = torch.randn(2, H, T, DH, generator=g)
+    got = torch.autograd.grad((y * w).sum(), [q, k, v, sink])
+    want = torch.autograd.grad((y_ref * w.double()).sum(), leaves)
+    for a, b in zip(got, want):
+        assert_close(a.double(), b, **GRADS)
+
+
 def test_kernels_that_take_no_sink_or_window_refuse_them():
     """Flex on CPU has no log-sum-exp (no sink); folded shifts a sink's logit per query (neither sink nor window)."""
     alibi, pos = make_scheme("alibi", 37), torch.arange(37)
