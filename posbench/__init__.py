@@ -8,10 +8,10 @@ __version__ = "0.1.0"
 
 # Bottom to top; names relative to the package; "schemes.*": any scheme family file (a new scheme needs no entry).
 LEVELS: tuple[tuple[str, ...], ...] = (
-    # 0 — nothing of posbench: the scheme interface, RoPE's scalings, corpora, the passkey probe's trials, statistics,
-    #     plots, the report tier's package (it imports nothing), the optimizer, process helpers
-    ("schemes.base", "schemes.rope_scaling", "corpora", "passkey", "report", "report.stats", "report.plots", "optim",
-     "dist", "device", "gpus", "signals", "runlock"),
+    # 0 — nothing of posbench: the scheme interface, RoPE's scalings, attention windows, corpora, the passkey probe's
+    #     trials, statistics, plots, the report tier's package (it imports nothing), the optimizer, process helpers
+    ("schemes.base", "schemes.rope_scaling", "windows", "corpora", "passkey", "report", "report.stats", "report.plots",
+     "optim", "dist", "device", "gpus", "signals", "runlock"),
     # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
     ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "report.retrieval"),
     # 2 — the scheme registry, the context-use probe, FlexAttention

@@ -121,8 +121,12 @@ def inherit(overrides: list[str]) -> None:
              if v is not None and "${" not in str(v)]
     taken = {path: lineage.inherited(lineage.read(path)) for path in dict.fromkeys(paths)}
     if len({json.dumps(t, sort_keys=True, default=str) for t in taken.values()}) > 1:
+        layers = {k for t in taken.values() for k, v in t["model"].items()  # the layer options where parents differ
+                  if any(u["model"].get(k) != v for u in taken.values())}
         described = "; ".join(f"{path}: {' '.join(f'scheme.{k}={v}' for k, v in t['scheme'].items())} "
-                              f"train.seq_len={t['seq_len']}" for path, t in taken.items())
+                              f"train.seq_len={t['seq_len']}" + "".join(f" model.{k}={t['model'].get(k)}"
+                                                                         for k in sorted(layers))
+                              for path, t in taken.items())
         raise ConfigError(f"init_from={','.join(taken)}: a run takes its parent's scheme, scheme options, L and layers, and "
                           f"these parents differ ({described}); sweep over parents that share them, or run one command "
                           "per parent")

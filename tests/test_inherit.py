@@ -79,8 +79,8 @@ def test_without_a_parent_the_defaults_are_trains(parents):
 def test_a_sweep_over_parents_takes_what_they_share_and_refuses_what_they_do_not(parents):
     jobs.inherit(["init_from=rope64,rope64b"])  # two parents, the same scheme, options and L
     assert ConfigStore.instance().repo["parent"]
-    with pytest.raises(ConfigError, match=r"init_from=rope64,rope32: a run takes its parent's scheme, scheme options "
-                                          r"and L, and these parents differ \(.*train.seq_len=64; .*train.seq_len=32\)"):
+    with pytest.raises(ConfigError, match=r"init_from=rope64,rope32: a run takes its parent's scheme, scheme options, "
+                                          r"L and layers, and these parents differ \(.*train.seq_len=64; .*train.seq_len=32\)"):
         jobs.inherit(["init_from=rope64,rope32"])
 
 

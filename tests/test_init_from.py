@@ -260,8 +260,8 @@ def test_a_sweep_over_parents_that_differ_is_refused(run_cli, data_cache, parent
     proc = run_cli("train", "-m", "debug=fast", f"init_from={parents['rope']},{parents['learned']}", "train.steps=0",
                    f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-    assert re.fullmatch(r"posbench: error: init_from=\S+,\S+: a run takes its parent's scheme, scheme options and L, "
-                        r"and these parents differ \(.*scheme.name=rope .*; .*scheme.name=learned .*\); .*", proc.stderr.strip())
+    assert re.fullmatch(r"posbench: error: init_from=\S+,\S+: a run takes its parent's scheme, scheme options, L and "
+                        r"layers, and these parents differ \(.*scheme.name=rope .*; .*scheme.name=learned .*\); .*", proc.stderr.strip())
     assert not sweep.exists()
 
 
