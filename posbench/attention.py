@@ -77,6 +77,7 @@ from posbench.blockwise import (
     distance_table,
     flash_cpu,
     folded,
+    sunk,
     windowed_table,
     with_sink,
 )
@@ -111,12 +112,13 @@ class Context:
             position, in the activations' dtype.
         fold_mask: folded, several blocks, gradients on: (Q, T + Q), zeros then a square of −inf above the
             diagonal; block [s, e) takes the view [: e − s, T − s : T + e − s] (0 before key s, causal after).
-        far: banded: D, the distance from which the bias is the constant ``far_bias`` (H,) of each head.
-        masks: banded, positions 0…T−1 plus an offset: one pattern (H, Q, Q + D − 1) (:func:`_banded_pattern`);
-            dense: per block, bias + causal mask (H, end − start, end), or None when they do not all fit
+        far: banded: D, the distance from which the bias is the constant ``far_bias`` (H,) of each head; with a
+            window, W (the keys from there on are hidden).
+        masks: banded, positions 0…T−1 plus an offset: one pattern (H, Q, Q + D − 1) (:func:`banded_pattern`);
+            dense: per block, bias + mask (H, end − start, end − first key), or None when they do not all fit
             in :data:`BIAS_ELEMENTS` (then each layer builds them one block at a time).
-        block_mask, score_mod: flex: the causal BlockMask of length T and the score_mod with Flex's signature
-            (posbench/flex.py).
+        block_mask, score_mod: flex: the BlockMask (causal ∧ the window's) of T + ``pad`` queries and keys, and the
+            score_mod with Flex's signature (posbench/flex.py).
         table: banded, and flex and dense for a ``distance_table`` scheme (or FIRE within its threshold): the bias
             per distance (H, N) (:func:`distance_table`);
             flex with gradients, a scheme with learned parameters and no distance table (FIRE): its bias of every
@@ -125,8 +127,8 @@ class Context:
         kernel_options: flex on CUDA with a table: Triton options for Flex's kernels (``flex.TABLE_OPTIONS``).
         window: the layer's window where it hides keys from this pass's queries (posbench/windows.py), else None;
             with ``chunk`` set, the chunks do that and it is None.
-        chunk: C when the kernel runs on chunks of C tokens as a batch (a chunked window): every other field
-            then describes one chunk, positions ``pos[:C]``.
+        chunk: C when the kernel runs on chunks of C tokens as a batch (a chunked window): every other field but
+            ``rotation`` (of all T positions: q and k turn by their own) then describes one chunk, positions ``pos[:C]``.
         sink: the layers of this context add a learned sink logit to each softmax (:func:`attend`'s ``sink``).
         pad: flex on CPU: the zero rows q, k and v get after their T (``flex.cpu_padding``), later keys to every query.
     """
@@ -168,7 +170,8 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         window: the layers' window (posbench/windows.py), or None: causal attention over every earlier key.
         sink: the layers add a learned sink logit to each softmax (:func:`attend`).
     Raises:
-        ValueError: an unknown ``kernel``; ``causal`` with a window, or with a sink but on CPU without gradients;
+        ValueError: an unknown ``kernel``; ``causal`` with a sliding window, or with a sink except when evaluating
+            on CPU;
             ``flex`` where FlexAttention is missing, with dropout, or on CPU with
             gradients on or a sink; ``folded`` for a scheme whose bias is not key-only, or with a window or a sink; ``banded``
             without torch's fused CPU attention, for a bias not of i − j alone, for positions that do not increase,
@@ -278,13 +281,20 @@ def _increasing(pos: torch.Tensor, span: int | None) -> bool:
     return span == pos.numel() or bool((pos[1:] > pos[:-1]).all())
 
 
+def chunks_batch(scheme: type[PositionalScheme] | PositionalScheme, per_distance: bool | None = None) -> bool:
+    """Whether a chunked window of ``scheme`` (a class or an instance) may run on its chunks as one batch, positions
+    0…T−1 plus an offset given: every chunk's scores are those of positions 0…C−1 — no bias, a bias of i − j alone
+    (``per_distance``, None: ``distance_table``; or ``translation_invariant``), or one of the content (CoPE)."""
+    per_distance = scheme.distance_table if per_distance is None else per_distance
+    return scheme.contextual or not scheme.has_bias or per_distance or scheme.translation_invariant
+
+
 def _chunkable(scheme: PositionalScheme, per_distance: bool, pos: torch.Tensor, span: int | None) -> bool:
-    """Whether a chunked window may run on its chunks as one batch: every chunk's scores are those of positions
-    0…C−1 — no bias, or a bias of i − j alone over positions 0…T−1 plus an offset, or one of the content (CoPE)."""
+    """:func:`chunks_batch` of these positions: a bias (not the content's) needs them consecutive."""
     if scheme.contextual or not scheme.has_bias:
         return True
     consecutive = span == pos.numel() or bool((pos[1:] - pos[:-1] == 1).all())
-    return consecutive and (per_distance or scheme.translation_invariant)
+    return consecutive and chunks_batch(scheme, per_distance)
 
 
 def _first_key(window: Window | None, s: int) -> int:
@@ -319,7 +329,7 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
     if device.type == "cpu" and relative and not dropout and wide and flash_cpu is not None:
         if not grad:
             return "banded" if scheme.has_bias or window is not None else "causal"  # (causal: a sink's lse)
-        if window is not None and (window.kind == "sliding" or not scheme.far_constant):
+        if window is not None:
             return "banded"  # (a window's far keys are masked: nothing needs a log-sum-exp's gradient)
     if device.type == "cpu" and scheme.key_only_bias and wide and plain:
         return "folded"  # (an 8-bit mantissa would round a folded bias of 64 by 0.25)
@@ -352,7 +362,7 @@ def _run(q, k, v, ctx: Context, sink: torch.Tensor | None) -> torch.Tensor:
         if sink is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=ctx.dropout, is_causal=True)  # (B, H, T, Dh)
         y, lse = flash_cpu(q, k, v, 0.0, True)  # (B, H, T, Dh), (B, H, T): evaluation on CPU
-        return y * torch.sigmoid(lse - sink[:, None].to(lse.dtype))[..., None].to(y.dtype)
+        return sunk(y, lse, sink)
     if ctx.kernel == "folded":
         return folded(q, k, v, ctx)
     if ctx.kernel == "banded":
@@ -368,17 +378,25 @@ def _run(q, k, v, ctx: Context, sink: torch.Tensor | None) -> torch.Tensor:
 
 
 def _dense_blocks(T: int, n_head: int, window: Window | None = None) -> list[tuple[int, int]]:
-    """Query blocks (start, end) whose bias (H, end − start, ≤ T) fits in :data:`BIAS_ELEMENTS`; with a window, of at
-    most max(W, :data:`WINDOW_QUERIES`) queries, so that a block's keys, its own and the W − 1 before, stay few (a
-    chunked window's blocks end at its chunks' ends, so a block sees keys of one chunk)."""
-    per_block = max(1, BIAS_ELEMENTS // (n_head * T))
+    """Query blocks (start, end) whose bias (H, end − start, keys) fits in :data:`BIAS_ELEMENTS`: keys ≤ T, or with a
+    window the block's own and the W − 1 before (:func:`window_blocks`)."""
     if window is None:
+        per_block = max(1, BIAS_ELEMENTS // (n_head * T))
         return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
-    per_block = min(per_block, max(window.size, WINDOW_QUERIES))
+    return window_blocks(T, window, lambda keys: BIAS_ELEMENTS // (n_head * keys))
+
+
+def window_blocks(T: int, window: Window, fit) -> list[tuple[int, int]]:
+    """Query blocks (start, end) of a windowed layer: max(W, :data:`WINDOW_QUERIES`) queries, fewer where ``fit(keys)``
+    (the most queries whose block against ``keys`` keys fits a kernel's budget) says so, so that a block's keys, its
+    own and the W − 1 before, stay few whatever T; a chunked window's blocks end at its chunks' ends, so that a block
+    sees keys of one chunk."""
+    Q = max(window.size, WINDOW_QUERIES)
+    Q = max(1, min(Q, fit(Q + window.size - 1)))
     if window.kind == "sliding":
-        return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
+        return [(s, min(T, s + Q)) for s in range(0, T, Q)]
     C = window.size
-    return [(s, min(T, c + C, s + per_block)) for c in range(0, T, C) for s in range(c, min(T, c + C), per_block)]
+    return [(s, min(T, c + C, s + Q)) for c in range(0, T, C) for s in range(c, min(T, c + C), Q)]
 
 
 def _dense(q, k, v, ctx: Context, sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -402,10 +420,12 @@ def _dense(q, k, v, ctx: Context, sink: torch.Tensor | None = None) -> torch.Ten
 # ---- contextual: a bias the scheme computes from the queries and their scores, one block of queries at a time -----
 
 
-def contextual_blocks(B: int, H: int, T: int, device: str = "cpu") -> list[tuple[int, int]]:
-    """Query blocks (start, end) whose scores (B, H, end − start, ≤ T) fit in :data:`CONTEXT_ELEMENTS`
-    (:data:`CONTEXT_ELEMENTS_CUDA` when ``device`` is ``cuda``)."""
+def contextual_blocks(B: int, H: int, T: int, device: str = "cpu", window: Window | None = None) -> list[tuple[int, int]]:
+    """Query blocks (start, end) whose scores (B, H, end − start, keys ≤ T) fit in :data:`CONTEXT_ELEMENTS`
+    (:data:`CONTEXT_ELEMENTS_CUDA` when ``device`` is ``cuda``); with a window, :func:`window_blocks`."""
     budget = CONTEXT_ELEMENTS_CUDA if device == "cuda" else CONTEXT_ELEMENTS
+    if window is not None:
+        return window_blocks(T, window, lambda keys: budget // (B * H * keys))
     per_block = max(1, budget // (B * H * T))
     return [(s, min(T, s + per_block)) for s in range(0, T, per_block)]
 
@@ -415,7 +435,7 @@ def _contextual(q, k, v, ctx: Context, sink: torch.Tensor | None = None) -> torc
     query block [s, e) against keys a…e−1, a the first key its window shows (0 without one): :func:`_contextual_block`."""
     B, H, T, Dh = q.shape
     out = []
-    for s, e in contextual_blocks(B, H, T, q.device.type):
+    for s, e in contextual_blocks(B, H, T, q.device.type, ctx.window):
         a = _first_key(ctx.window, s)
         out.append(_contextual_block(q[:, :, s:e], k[:, :, a:e], v[:, :, a:e], s, a, ctx, sink))
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
@@ -453,8 +473,7 @@ def _flex_attend(q, k, v, ctx: Context, sink: torch.Tensor | None = None) -> tor
             out = flex.run(qp, kp, vp, ctx.score_mod, ctx.block_mask, ctx.kernel_options, lse=sink is not None)
             if sink is None:
                 return out[:, :, :T]  # (B, H, T, Dh)
-            y, lse = out[0][:, :, :T], out[1][:, :, :T]  # (B, H, T, Dh), (B, H, T)
-            return y * torch.sigmoid(lse - sink[:, None].to(lse.dtype))[..., None].to(y.dtype)
+            return sunk(out[0][:, :, :T], out[1][:, :, :T], sink)  # (B, H, T, Dh), (B, H, T)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             raise
         except Exception as err:  # noqa: BLE001 - any compiler failure on CPU: fall back, once, with the reason

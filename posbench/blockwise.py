@@ -82,6 +82,12 @@ def windowed_table(table: torch.Tensor, W: int) -> torch.Tensor:
     return table.masked_fill(far, float("-inf"))
 
 
+def sunk(y: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Attention output y (B, H, Q, Dh) of keys whose scores have log-sum-exp ``lse`` (B, H, Q), with a sink logit s_h
+    (H,) joined to each softmax: y·Z/(Z + e^s) = y·σ(lse − s)."""
+    return y * torch.sigmoid(lse - sink[:, None].to(lse.dtype))[..., None].to(y.dtype)
+
+
 def with_sink(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor):
     """One block's keys, values and float mask with a sink in front: key and value zero, the mask's column the sink
     logit of each head, so that SDPA's softmax takes exp(sink_h) into every query's denominator and its output nothing
@@ -167,7 +173,7 @@ def banded(q, k, v, ctx, sink: torch.Tensor | None = None) -> torch.Tensor:
             yb = torch.lerp(y_far, yb, w[..., None].to(yb.dtype))
             if sink is not None:
                 lse = torch.logaddexp(lse, lse_far + c)  # the log-sum-exp of near and far keys
-        if sink is not None:  # Z / (Z + exp(sink)) = σ(lse − sink)
-            yb = yb * torch.sigmoid(lse - sink[:, None].to(lse.dtype))[..., None].to(yb.dtype)
+        if sink is not None:
+            yb = sunk(yb, lse, sink)
         out.append(yb.flip(2) if ctx.masks else yb)
     return torch.cat(out, dim=2)  # (B, H, T, Dh)

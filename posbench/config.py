@@ -38,6 +38,16 @@ from posbench.schemes import SCHEMES
 from posbench.windows import WINDOW_KINDS
 
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluate.py
+
+
+def times(value, factor) -> int:
+    """``${posbench_times:${train.seq_len},0.25}``: ``value`` × ``factor`` as an int (rounded), so that a preset can
+    give a length as a multiple of L (conf/hybrid/: W = L/4, L_t = 16L) that follows ``train.seq_len`` (debug=fast's
+    L = 32 too). Registered with OmegaConf wherever this module is imported (joblib and SLURM workers as well)."""
+    return int(round(float(value) * float(factor)))
+
+
+OmegaConf.register_new_resolver("posbench_times", times, replace=True)
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/lineage.py
 SPLITS = ("validation", "test")
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/train.py lr_factor

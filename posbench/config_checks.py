@@ -275,7 +275,8 @@ def global_name(m: DictConfig) -> list[str]:
 
 def layers(m: DictConfig, scheme: str, seq_len: int, longest: int) -> None:
     """Hybrid layers (posbench/model.py ``GPT``): ``model.layer_pattern`` (L and G letters), the L layers' window
-    (1 ≤ W ≤ L, ``train.seq_len``: a window of more than L never binds in training; an L layer needed), the G
+    (1 ≤ W < L, ``train.seq_len``: a window of L or more hides no key in training; an L layer needed; not with a
+    length-dependent ``model.attn_scale``, whose n, the keys a query sees, a window caps), the G
     layers' ``model.global_scheme`` (read as a scheme section and resolved in place, as ``scheme`` is: its name known,
     its options the scheme's, its derived ones filled from ``seq_len``; a G and an L layer needed; no scheme that
     embeds positions beside it), QK-norm's options only with ``model.qk_norm=rms`` (``local`` needs an L layer), and a
@@ -290,11 +291,15 @@ def layers(m: DictConfig, scheme: str, seq_len: int, longest: int) -> None:
         if "L" not in kinds:
             raise ConfigError(f"model.window={W} applies to the L layers, and model.layer_pattern={m.layer_pattern} has "
                               f"none at {m.n_layer} layers: give a pattern with L layers, e.g. LLLG, or drop the window")
-        if W > seq_len:
-            raise ConfigError(f"model.window={W} is larger than train.seq_len={seq_len}: a window of more than L tokens "
-                              f"hides nothing in training; give 1 <= model.window <= {seq_len}")
+        if W >= seq_len:
+            raise ConfigError(f"model.window={W} is not below train.seq_len={seq_len}: a window of L tokens or more hides "
+                              f"no key in training, so the L layers would train as global ones; give 1 <= model.window "
+                              f"< {seq_len}")
     elif m.window_kind != "sliding":
         raise ConfigError(f"model.window_kind={m.window_kind} applies to model.window: give model.window=<tokens>")
+    if W is not None and m.attn_scale != "none":
+        raise ConfigError(f"model.attn_scale={m.attn_scale} scales a query by the t + 1 keys it sees, and model.window="
+                          f"{W} caps them at W in the L layers: the two are not defined together; drop one of them")
     if m.qk_norm == "none" and (m.qk_norm_layers != "all" or m.qk_norm_weight is not True):
         key = "qk_norm_layers" if m.qk_norm_layers != "all" else "qk_norm_weight"
         raise ConfigError(f"model.{key}={m[key]} applies to QK-norm: add model.qk_norm=rms, or drop it")

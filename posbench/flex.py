@@ -31,6 +31,10 @@ try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # torch < 2.5
     flex_attention = create_block_mask = None
+try:  # the log-sum-exp asked for as an auxiliary output (torch ≥ 2.9; ``return_lse`` before, deprecated since)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
 
 TABLE_OPTIONS = {"num_stages": 2}  # CUDA, a score_mod reading a table (:func:`kernel_options`)
 VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
@@ -69,8 +73,10 @@ CPU_PAD_BELOW, CPU_PAD_TO = 128, 16  # (:func:`cpu_padding`)
 def cpu_padding(T: int) -> int:
     """Rows to add after T queries and keys before Flex runs on CPU: up to a multiple of 16 below 128 tokens, else
     0. torch 2.13's compiled CPU kernel returned wrong values (NaN among them), varying from run to run, for T ≡ 8
-    (mod 16) below one block of 128 (8, 24, …, 120; measured on an AMD EPYC with AVX2); padded keys come after every
-    query, so the causal mask hides them, and padded queries are dropped."""
+    (mod 16) below one block of 128 (8, 24, …, 120; measured on an AMD EPYC with AVX2); the other lengths tried were
+    right (multiples of 16 among them, and 12, 20, 28, 30, 44, 50, 60, 70, 90, 100, 110, 127), so padding every length
+    below 128 to a multiple of 16 takes the failing ones to lengths measured right, whatever the cause. Padded keys
+    come after every query, so the causal mask hides them, and padded queries are dropped."""
     return -T % CPU_PAD_TO if T < CPU_PAD_BELOW else 0
 
 
@@ -115,9 +121,9 @@ def run(q, k, v, mod, block_mask, options: dict | None, lse: bool = False):
     shape: seconds on a CPU), "compiling the attention kernel for length T" is logged as the compilation starts
     (Dynamo's compile-start callback), once per call."""
     global _compiled
-    extra = {"return_lse": True} if lse else {}
+    extra = ({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True}) if lse else {}
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra)
+        return _lse(flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra))
     if _compiled is None:
         _compiled = torch.compile(flex_attention)
     said = []
@@ -130,7 +136,14 @@ def run(q, k, v, mod, block_mask, options: dict | None, lse: bool = False):
     _compile_callbacks.register_start_callback(compiling)
     try:
         with torch._dynamo.config.patch(recompile_limit=VARIANTS, fail_on_recompile_limit_hit=True):
-            return _compiled(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra)
+            return _lse(_compiled(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options=options, **extra))
     finally:
         if compiling in _compile_callbacks.start_callbacks:  # (torch._dynamo.reset() clears them)
             _compile_callbacks.remove_start_callback(compiling)
+
+
+def _lse(out):
+    """Flex's output as :func:`run` returns it: y, or (y, lse) from either form of asking for the log-sum-exp."""
+    if isinstance(out, tuple) and not isinstance(out[1], torch.Tensor):  # (y, AuxOutput)
+        return out[0], out[1].lse
+    return out

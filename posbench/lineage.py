@@ -42,6 +42,7 @@ from posbench.config import ConfigError, scheme_schema, to_dict
 from posbench.corpora import file_sha256
 from posbench.results import run_label
 from posbench.schemes import SCHEMES
+from posbench.upgrade import model_section
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
@@ -127,6 +128,15 @@ def differences(before: dict, after: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def full_section(section: dict | None) -> dict | None:
+    """A scheme section ``{"name": ..., **options}`` with every option of the scheme's Config, those it lacks at their
+    defaults (a section recorded before the scheme gained an option compares equal to today's); None as it is."""
+    if section is None or section.get("name") not in SCHEMES:
+        return section
+    options = {k: v for k, v in section.items() if k != "name"}
+    return {"name": section["name"], **dataclasses.asdict(SCHEMES[section["name"]].make_config(**options))}
+
+
 def inherit(cfg: DictConfig, parent: Parent) -> None:
     """Set the options of ``cfg.scheme`` left unset (None) to the parent's resolved values, when the scheme keeps
     its name (a learned table keeps the parent's ``max_positions``)."""
@@ -150,11 +160,15 @@ def check_config(cfg: DictConfig, parent: Parent) -> None:
         raise ConfigError(f"scheme={new} but {where} was trained with scheme={old}: the weights of one scheme do not "
                           f"load into another; drop scheme={new} (a fine-tune takes the parent's scheme and its "
                           f"options){also}")
-    parent_model = parent.spec["model"]
+    parent_model = model_section(parent.spec["model"])  # (keys it lacks at their defaults)
     for key in MODEL_KEYS:
-        if key not in FREE_MODEL_KEYS and cfg.model[key] != parent_model[key]:
-            raise ConfigError(f"model.{key}={cfg.model[key]} but {where} has model.{key}={parent_model[key]}: the "
-                              "parent's weights would not fit")
+        mine, theirs = cfg.model[key], parent_model[key]
+        if key == "global_scheme":  # sections compared with every option, those either lacks at its defaults
+            mine, theirs = (full_section(g) for g in (to_dict(cfg.model)[key], theirs))
+        if key not in FREE_MODEL_KEYS and mine != theirs:
+            why = ("a fine-tune keeps its parent's layers" if key in LAYER_KEYS else "the parent's weights would not fit")
+            raise ConfigError(f"model.{key}={cfg.model[key]} but {where} has model.{key}={parent_model[key]}: {why}; "
+                              f"give model.{key}={parent_model[key]}, or drop it")
     theirs = parent.state["config"]["data"]["vocab_size"]
     if cfg.data.vocab_size != theirs:
         raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} but {where} has data.vocab_size={theirs}: the "

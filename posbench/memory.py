@@ -107,13 +107,10 @@ def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str | None, de
 
 
 def kernel_for(scheme_name: str, device: torch.device | str, training: bool, dropout: float = 0.0) -> str:
-    """The attention kernel ``posbench.attention.choose_kernel`` picks for the scheme registered as
-    ``scheme_name`` on ``device``, training (gradients on, CUDA under bfloat16 autocast, attention dropout
-    ``dropout``: ``model.attn_dropout``, not the residual ``model.dropout``) or evaluating (float32, no dropout). It
-    reads the scheme's class attributes only, so no scheme is built."""
-    device = torch.device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" and training else torch.float32
-    return attention.choose_kernel(SCHEMES[scheme_name], device, dtype, dropout if training else 0.0, training)
+    """The attention kernel of a model of one scheme (every layer global, no sink): :func:`layer_kernels`' of the
+    scheme registered as ``scheme_name``, training with attention dropout ``dropout`` or evaluating."""
+    spec = {"scheme": {"name": scheme_name}, "model": {"n_layer": 1, "attn_dropout": dropout}}
+    return layer_kernels(spec, device, training)[0][0]
 
 
 def layer_kernels(spec: dict, device: torch.device | str, training: bool, dropout: float | None = None,
@@ -122,7 +119,8 @@ def layer_kernels(spec: dict, device: torch.device | str, training: bool, dropou
     0…T−1 assumed) as (kernel, chunk, scheme class): the kernel ``choose_kernel`` picks for the layer's scheme (the
     global one on a G layer), its window where it hides keys at ``seq_len`` (all, if None), sinks, and ``dropout``
     (None: the spec's ``attn_dropout``); ``chunk``: C where a chunked window runs the kernel on its chunks, else
-    None. Training: gradients on, CUDA under bfloat16 autocast; evaluation: float32, no dropout."""
+    None. Training: gradients on, CUDA under bfloat16 autocast; evaluation: float32, no dropout. It reads the
+    schemes' class attributes only, so no scheme is built (FIRE within its threshold counts as a bias of i and j)."""
     m, device = _model_sizes(spec), torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" and training else torch.float32
     dropout = (m["attn_dropout"] if dropout is None else dropout) if training else 0.0
@@ -133,8 +131,7 @@ def layer_kernels(spec: dict, device: torch.device | str, training: bool, dropou
         cls = SCHEMES[section.get("name", DEFAULT_SCHEME)]
         window = Window(m["window"], m["window_kind"]) if kind == "L" and m["window"] else None
         window = window if window is not None and (seq_len is None or window.binds(seq_len)) else None
-        if window is not None and window.kind == "chunked" and (cls.contextual or not cls.has_bias
-                                                                or cls.distance_table or cls.translation_invariant):
+        if window is not None and window.kind == "chunked" and attention.chunks_batch(cls):
             out.append((attention.choose_kernel(cls, device, dtype, dropout, training, sink=m["attn_sink"]),
                         window.size, cls))
         else:
@@ -179,7 +176,6 @@ def _layered_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, 
     return total
 
 
-
 def _activation_bytes(m: dict, B: int, T: int, b: int, training: bool) -> int:
     """Saved for backward (training) or alive in one layer (evaluation), per the module docstring."""
     D, F = m["d_model"], m["d_ff"]
@@ -206,7 +202,12 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
         pattern = H * Q * (Q + window) * b  # the table and its mask pattern (a view of (H, 2Q + W))
         if not training:
             return 3 * H * T * b + pattern + B * H * (T + 2 * Q) * (D // H) * b + lse
-        return L * (lse + B * H * T * (D // H) * b) + pattern  # each layer: the blocks' outputs joined, their lse
+        if not _bias_graph(spec, m, T)[1]:  # SDPA's fused kernel: each layer's outputs joined, their lse
+            return L * (lse + B * H * T * (D // H) * b) + pattern
+        # a mask that needs a gradient (T5, KERPLE) sends SDPA to its math path: each layer keeps its blocks'
+        # probabilities (B, H, Q, Q + W − 1) and copies of q, k, v; one block's scores and probabilities beside
+        pairs = T * (Q + window - 1)
+        return L * (B * H * pairs * b + 3 * B * T * D * b) + BLOCK_TEMPORARIES * B * H * Q * (Q + window) * b + pattern
     if window is not None and kernel in ("dense", "contextual"):
         return _windowed_pairs_bytes(spec, m, B, T, kernel, b, training, device, Window(window))
     if kernel == "flex" and training and not SCHEMES[_scheme_name(spec)].distance_table:
@@ -239,7 +240,8 @@ def _windowed_pairs_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: i
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training, window)
     per_pair, per_query = _contextual_saved(spec, m, T)
-    blocks = [(s, e) for s, e in attention._dense_blocks(T, m["n_head"], window)]
+    blocks = attention.contextual_blocks(B, m["n_head"], T, "cpu" if device is None else torch.device(device).type,
+                                         window)
     pairs = B * m["n_head"] * sum((e - s) * (e - window.first_key(s)) for s, e in blocks)
     block = B * m["n_head"] * max((e - s) * (e - window.first_key(s)) for s, e in blocks)
     temporaries = CONTEXT_TEMPORARIES * block * 4

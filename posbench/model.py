@@ -39,7 +39,6 @@ QK_NORM_EPS = 1e-6  # QK-norm's RMSNorm epsilon (Gemma 3's, Qwen 3's; Llama 4 us
 SINK_STD = 0.02  # attention sinks start N(0, 0.02²): Hugging Face's GPT-OSS initialisation (initializer_range)
 
 
-
 class HeadNLL(torch.autograd.Function):
     """Per-token negative log-likelihood under softmax(h·Wᵀ): the tied head and the loss in one op.
 
@@ -150,8 +149,8 @@ class GPT(nn.Module):
         qk_norm: ``none``, or ``rms``: each head's query and key divided by their root mean square (RMSNorm, eps
             :data:`QK_NORM_EPS`) before any rotation (Dehghani et al. 2023; Gemma 3, OLMo 2, Qwen 3, Llama 4), on
             ``qk_norm_layers`` (``all``, or ``local``: the L layers, as Llama 4's RoPE layers), with a learned gain per
-            head dimension when ``qk_norm_weight`` (initialised to 1), without one otherwise (Llama 4: then it equals
-            Llama 4's norm after the rotation, which keeps each head's norm).
+            head dimension when ``qk_norm_weight`` (initialised to 1), without one otherwise (Llama 4: then, for a plain
+            rotation, RoPE's or p-RoPE's, which keeps each head's norm, it equals Llama 4's norm after the rotation).
         attn_sink: a learned logit per head and layer joins every softmax's denominator and is dropped
             (GPT-OSS's attention sinks; Xiao et al. 2023's sink as a parameter), initialised N(0, :data:`SINK_STD`²).
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
@@ -175,9 +174,9 @@ class GPT(nn.Module):
         ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not as long as the layers that use it,
             of several classes, or of a class that embeds positions (it would add them once, before the first layer);
             a scheme that embeds positions beside a ``global_scheme``; a bad ``layer_pattern``; a window without an L
-            layer, of size below 1 or of an unknown kind; a ``global_scheme`` without a G layer; an unknown
-            ``attn_scale``, ``qk_norm`` or ``qk_norm_layers``, or ``local`` without an L layer; ``log_n`` without a
-            ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
+            layer, of size below 1 or of an unknown kind, or beside an ``attn_scale`` other than ``none``; a
+            ``global_scheme`` without a G layer; an unknown ``attn_scale``, ``qk_norm`` or ``qk_norm_layers``, or
+            ``local`` without an L layer; ``log_n`` without a ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
     by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them; attention
@@ -202,6 +201,9 @@ class GPT(nn.Module):
         kinds = expand_pattern(layer_pattern, n_layer)  # one letter per layer
         users = n_layer if global_scheme is None else kinds.count("L")  # the layers of self.scheme
         self.windows = _windows(kinds, window, window_kind)  # per layer: a Window or None
+        if window is not None and attn_scale != "none":
+            raise ValueError(f"attn_scale={attn_scale!r} counts t + 1 keys per query, which window={window} caps in the "
+                             "L layers: give one of them")
         if global_scheme is not None and "G" not in kinds:
             raise ValueError(f"global_scheme given, but layer_pattern={layer_pattern!r} has no G layer to use it")
         if global_scheme is not None and "L" not in kinds:

@@ -1,4 +1,5 @@
-"""Attention windows of a local layer: which keys each query sees, on top of the causal mask (docs/design.md §2).
+"""Local layers: which layers of a model are local (its layer pattern, :func:`expand_pattern`) and which keys a
+local layer's query sees, on top of the causal mask (its attention window, :class:`Window`; docs/design.md §2).
 
 A window is part of the attention's mask, not of a positional scheme: the same RoPE layer may attend to every
 earlier key (a global layer) or to a window of them (a local layer). Indices are a window's token indices 0…T−1,

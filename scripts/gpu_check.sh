@@ -18,7 +18,8 @@
 #              again resumes from that step and finishes; metrics.jsonl holds every step once
 #   bench.*    scripts/benchmark.py at model=small, L=512, --compile, bf16: every case compiled; each bias scheme's
 #              train step <= 1.3x RoPE's; at 16L (8192) its evaluation <= 1.5x causal SDPA's time, <= 2x its memory;
-#              the same for a model of sliding-window layers (W = L/4), Llama 4's and GPT-OSS's layers (with sinks)
+#              the same limits for three cases through Flex's windowed BlockMask (W = L/4): sliding-window RoPE
+#              layers, Llama 4's layers, GPT-OSS's (sinks)
 #   mfu        scripts/benchmark.py at model=base (12 x 768), L=1024, bf16, --compile: RoPE's training >= 40% of the
 #              device's datasheet bf16 peak (SKIP for a device not in the benchmark's PEAKS table)
 #

@@ -284,6 +284,24 @@ def test_flex_trains_a_sink_through_its_log_sum_exp(monkeypatch, window):
         assert_close(a.double(), b, **GRADS)
 
 
+@pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
+def test_flex_on_cpu_pads_short_lengths(monkeypatch):
+    """Below 128 tokens Flex on CPU runs on q, k, v padded to a multiple of 16 (``flex.cpu_padding``): torch 2.13's
+    CPU kernel returned wrong values at T ≡ 8 (mod 16) there on this project's AMD EPYC. FIRE past its threshold at
+    T = 24 and 40 against the float64 attention, and the padding itself."""
+    assert [flex.cpu_padding(T) for T in (8, 24, 32, 40, 100, 127, 128, 136)] == [8, 8, 0, 8, 12, 1, 0, 0]
+    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    monkeypatch.setattr(attention, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
+    for T in (24, 40):
+        scheme = make_scheme("fire", T)
+        g = torch.Generator().manual_seed(T)
+        q, k, v = (torch.randn(2, H, T, DH, generator=g) for _ in range(3))
+        ctx, y = run_kernel(scheme, q, k, v, torch.arange(T), None, None, None, False)
+        assert (ctx.kernel, ctx.pad) == ("flex", 8)
+        y_ref, _ = reference(scheme, q.double(), k.double(), v.double(), torch.arange(T), None, None)
+        assert_close(y.double(), y_ref, **VALUES)
+
+
 def test_kernels_that_take_no_sink_or_window_refuse_them():
     """Flex on CPU has no log-sum-exp (no sink); folded shifts a sink's logit per query (neither sink nor window)."""
     alibi, pos = make_scheme("alibi", 37), torch.arange(37)

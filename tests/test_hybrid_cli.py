@@ -27,7 +27,9 @@ BAD = {  # id: (overrides, regexes the message must all hold)
     "window-without-L-layer": (["model.window=8"], [r"model\.window=8", r"L layers", r"layer_pattern=G"]),
     "window-below-1": (["model.layer_pattern=LG", "model.window=0"], [r"model\.window=0", "positive"]),
     "window-above-L": (["model.layer_pattern=LG", "model.window=33"], [r"model\.window=33", r"train\.seq_len=32",
-                                                                        r"<= 32"]),
+                                                                        r"< 32"]),
+    "window-of-L": (["model.layer_pattern=LG", "model.window=32"], [r"model\.window=32", "hides no key"]),
+    "window-and-attn-scale": ([*HYBRID, "model.attn_scale=log_n"], [r"model\.attn_scale=log_n", r"model\.window=8"]),
     "kind-without-window": (["model.window_kind=chunked"], [r"model\.window_kind=chunked", r"model\.window="]),
     "unknown-kind": (["model.layer_pattern=LG", "model.window=8", "model.window_kind=strided"],
                      [r"model\.window_kind='strided'", "sliding, chunked"]),
@@ -77,9 +79,9 @@ def test_a_refusal_in_its_own_process_is_one_line(run_cli, data_cache, existing_
 
 
 def test_good_neighbours_pass(data_cache):
-    """Each value next to a refused one is accepted: W = L, a chunked window, every pattern letter, a global scheme
+    """Each value next to a refused one is accepted: W = L − 1, a chunked window, every pattern letter, a global scheme
     by name or as a section, QK-norm's options with it, PoSE with N = L chunks."""
-    for overrides in (["model.layer_pattern=LG", "model.window=32"], [*HYBRID, "model.window_kind=chunked"],
+    for overrides in (["model.layer_pattern=LG", "model.window=31"], [*HYBRID, "model.window_kind=chunked"],
                       ["model.layer_pattern=LLLG", "model.global_scheme={name:rope,base:1000000.0}"],
                       ["model.qk_norm=rms", "model.qk_norm_weight=false"],
                       ["model.layer_pattern=GL", "model.qk_norm=rms", "model.qk_norm_layers=local"],
@@ -99,12 +101,12 @@ def test_the_global_scheme_is_resolved_as_a_scheme_section(data_cache):
 
 LABELS = {  # design → (label at 4 layers, expanded pattern)
     "rope": ("rope", "GGGG"), "nope": ("nope", "GGGG"), "alibi": ("alibi", "GGGG"),
-    "irope_w32": ("rope+LLLG(c32, G=nope, qknorm0-L)", "LLLG"), "irope_w64": ("rope+LLLG(c64, G=nope, qknorm0-L)", "LLLG"),
-    "rnope_swa_w32": ("rope+LLLG(w32, G=nope)", "LLLG"), "rnope_swa_w64": ("rope+LLLG(w64, G=nope)", "LLLG"),
-    "local_global_w32": ("rope+LLLG(w32, G=rope[base=1e+06], qknorm)", "LLLG"),
-    "local_global_w64": ("rope+LLLG(w64, G=rope[base=1e+06], qknorm)", "LLLG"),
-    "smollm3": ("rope+LLLG(G=nope)", "LLLG"), "gptoss_w32": ("rope+LG(w32, sink)", "LGLG"),
-    "gptoss_w64": ("rope+LG(w64, sink)", "LGLG"), "rope_pose": ("rope+pose2048", "GGGG"),
+    "irope_wL4": ("rope+LLLG(c32, G=nope, qknorm0-L)", "LLLG"), "irope_wL2": ("rope+LLLG(c64, G=nope, qknorm0-L)", "LLLG"),
+    "rnope_swa_wL4": ("rope+LLLG(w32, G=nope)", "LLLG"), "rnope_swa_wL2": ("rope+LLLG(w64, G=nope)", "LLLG"),
+    "local_global_wL4": ("rope+LLLG(w32, G=rope[base=1e+06], qknorm)", "LLLG"),
+    "local_global_wL2": ("rope+LLLG(w64, G=rope[base=1e+06], qknorm)", "LLLG"),
+    "smollm3": ("rope+LLLG(G=nope)", "LLLG"), "gptoss_wL4": ("rope+LG(w32, sink)", "LGLG"),
+    "gptoss_wL2": ("rope+LG(w64, sink)", "LGLG"), "rope_pose": ("rope+pose2048", "GGGG"),
 }
 
 
@@ -128,6 +130,18 @@ def test_experiment_hybrids_sweeps_every_design_with_its_label():
             assert cfg.model.window in (None, 32, 64)
 
 
+def test_the_designs_follow_the_train_length():
+    """W = L/4 and L/2 and PoSE's L_t = 16L are multiples of ``train.seq_len`` (``${posbench_times:…}``): at debug=fast's
+    L = 32 every design composes and passes the checks, with W = 8 and 16 and L_t = 512."""
+    designs = sweep("hybrids")
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        for design in designs:
+            cfg = finalize(compose("train", overrides=["experiment=hybrids", f"+hybrid={design}", "debug=fast"]),
+                           training=False)
+            assert cfg.train.seq_len == 32 and cfg.model.window in (None, 8, 16)
+            assert cfg.train.pose in (None, 512)
+
+
 def test_experiment_hybrids_retrieval_takes_the_retrieval_recipe_at_two_layers():
     designs = sweep("hybrids_retrieval")
     with initialize_config_module("posbench.conf", version_base="1.3"):
@@ -139,7 +153,7 @@ def test_experiment_hybrids_retrieval_takes_the_retrieval_recipe_at_two_layers()
             assert {k: cfg[k] for k in ("data", "eval")} == {k: recipe[k] for k in ("data", "eval")}
             pattern = cfg["model"]["layer_pattern"]
             assert pattern in ("G", "LG"), f"{design}: {pattern} at two layers"
-            if design.endswith(("_lg", "w64")):
+            if design.endswith(("_lg", "wL2")):
                 assert pattern == "LG"
 
 

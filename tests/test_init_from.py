@@ -261,7 +261,8 @@ def test_a_sweep_over_parents_that_differ_is_refused(run_cli, data_cache, parent
                    f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert re.fullmatch(r"posbench: error: init_from=\S+,\S+: a run takes its parent's scheme, scheme options, L and "
-                        r"layers, and these parents differ \(.*scheme.name=rope .*; .*scheme.name=learned .*\); .*", proc.stderr.strip())
+                        r"layers, and these parents differ \(.*scheme.name=rope .*; .*scheme.name=learned .*\); .*",
+                        proc.stderr.strip())
     assert not sweep.exists()
 
 
