@@ -224,6 +224,11 @@ def _main(argv: list[str]) -> None:
     if command not in COMMANDS:
         fail(f"unknown command {command!r}; choose one of: train, eval, report")
     task, config_name = COMMANDS[command]
+    if command == "eval":
+        try:
+            rest = jobs.eval_argv(rest)
+        except jobs.Refused as e:
+            fail(str(e))
     register()
     dist.init()  # torchrun: every rank checks the same jobs, then writes one run folder (rank 0's time stamps it)
     os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))  # preflight's and Hydra's

@@ -283,6 +283,8 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     t, s = cfg.train, cfg.scheme
     checks.train_values(t, cfg.init_from, training)
     checks.data_values(cfg.data)
+    if training:
+        checks.training_data_inert(cfg.data, DataConfig())
     checks.model_values(cfg.model, trained_length or t.seq_len)
     checks.eval_values(cfg.eval, t.seq_len)
     checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)

@@ -47,14 +47,14 @@ def positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
 
 
-def check_keys(node: DictConfig, known, prefix: str = "") -> None:
+def check_keys(node: DictConfig, known, prefix: str = "", shown_by: str = "posbench train --cfg job") -> None:
     """Reject keys the schema instance ``known`` lacks (Hydra's ``+key=value`` lifts struct mode, so composition
-    alone lets them in)."""
+    alone lets them in); the error names the command that shows the keys, ``shown_by``."""
     for key in node:
         if not hasattr(known, key):
-            raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: posbench train --cfg job")
+            raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: {shown_by}")
         if dataclasses.is_dataclass(getattr(known, key)):
-            check_keys(node[key], getattr(known, key), f"{prefix}{key}.")
+            check_keys(node[key], getattr(known, key), f"{prefix}{key}.", shown_by)
 
 
 def check_choices(node: DictConfig, schema: type, prefix: str = "") -> None:
@@ -169,6 +169,27 @@ def data_values(d: DictConfig) -> None:
                           "copy windows end, in (0, 1]")
 
 
+def inert(values: dict, defaults, prefix: str, on: bool, needs: str) -> None:
+    """Refuse an option among ``values`` (key → value) set away from its default (``defaults``: the schema's
+    instance) while what it acts through is off (``on`` false): it would be accepted and do nothing. ``needs``
+    names what turns it on."""
+    changed = [k for k, v in values.items() if v is not None and v != getattr(defaults, k)]
+    if changed and not on:
+        value = values[changed[0]]
+        value = list(value) if isinstance(value, ListConfig) else value
+        raise ConfigError(f"{prefix}{changed[0]}={value} does nothing without {needs}, or drop it")
+
+
+def training_data_inert(d: DictConfig, defaults) -> None:
+    """A training run's ``data.passkey_pairs`` without ``data.passkey_rate`` and ``data.copy_until`` without
+    ``data.copy_rate`` (:func:`inert`; ``defaults``: the data schema's instance); a re-evaluation reads the recorded
+    ones, which trained nothing."""
+    inert({"passkey_pairs": d.passkey_pairs}, defaults, "data.", d.passkey_rate > 0,
+          "needles in the training windows: add data.passkey_rate=<fraction>")
+    inert({"copy_until": d.copy_until}, defaults, "data.", d.copy_rate > 0,
+          "copy windows in the training windows: add data.copy_rate=<fraction>")
+
+
 def model_values(m: DictConfig, seq_len: int) -> None:
     """``model.*``: sizes, heads that divide the width into even head dimensions, dropouts in [0, 1), and log-n
     scaling's ``model.scale_length`` (filled: None → ``seq_len``, the length the weights are trained at)."""
@@ -206,6 +227,10 @@ def eval_values(e: DictConfig, seq_len: int) -> None:
     if e.probe_every and "passkey" not in e.probes:
         raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
                           "'eval.probes=[passkey]', or drop eval.probe_every")
+    for probe in ("passkey", "context"):  # a probe's options without the probe
+        inert(dict(e[probe]), {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
+              probe in e.probes,
+              f"its probe: add 'eval.probes=[{probe}]'")
     if e.lengths is None:
         e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:

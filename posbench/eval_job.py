@@ -79,7 +79,7 @@ def prepare(job: DictConfig) -> EvalJob:
             checkpoint's weights no longer fit the model, or an evaluation split too short for the lengths.
         posbench.data.DataError: the run's corpus cannot be prepared.
     """
-    check_keys(job, EvalJobConfig())
+    check_keys(job, EvalJobConfig(), shown_by="posbench eval run=<run folder> --cfg job")
     try:
         state = checkpoint.read(Path(job.run) / checkpoint.NAME)
     except (FileNotFoundError, ValueError) as e:

@@ -20,7 +20,9 @@ import itertools
 import json
 import logging
 import os
+import re
 from contextlib import contextmanager
+from importlib.resources import files
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
@@ -30,7 +32,7 @@ from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from posbench import dist, eval_job, lineage, runlock, train_job
+from posbench import checkpoint, dist, eval_job, lineage, runlock, train_job
 from posbench.config import ConfigError, eval_schema, scheme_of, scheme_schema
 from posbench.data import DataError
 from posbench.schemes import SCHEMES
@@ -45,8 +47,13 @@ class Refused(Exception):
     """A job the command line asks for cannot run; the message is one line naming the value and the fix."""
 
 
-def one_line(err: Exception) -> str:
-    """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices."""
+def one_line(err: Exception, overrides: tuple[str, ...] = (), command: str = "train") -> str:
+    """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices (the
+    command line's ``overrides``, to name the one at fault, and its ``command``, whose keys a hint shows)."""
+    added = re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", str(err))
+    if added:  # `extend=yarn`: a group outside the defaults list is added with a plus
+        given = next((o for o in overrides if o.split("=", 1)[0] == added[1]), f"{added[1]}=<option>")
+        return f"{given}: {added[1]} is not in the defaults list; add it with a plus: +{given}"
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         return f"unknown {group} {name!r}; choose one of: {', '.join(err.options or [])}"
@@ -63,7 +70,7 @@ def one_line(err: Exception) -> str:
         if scheme is not None:
             options = ", ".join(SCHEMES[scheme].options()) or "none"
             return f"{key} is not an option of the {scheme} scheme; its options: {options}"
-        return f"unknown config key {key!r}; see the keys with: posbench train --cfg job"
+        return f"unknown config key {key!r}; see the keys with: {SHOW_KEYS[command]}"
     if key and "is not a ListConfig, list or tuple" in text:  # `eval.probes=passkey`: a value where a list goes
         return f"{key}={err.value}: {key} must be a list, e.g. '{key}=[{err.value}]' (quoted, for the shell)"
     if key and "could not be converted" in text:
@@ -71,8 +78,66 @@ def one_line(err: Exception) -> str:
     return f"{key}: {text}" if key else text
 
 
+SHOW_KEYS = {"train": "posbench train --cfg job", "eval": "posbench eval run=<run folder> --cfg job"}
+FINE_TUNES = ("extend",)  # the experiment presets that fine-tune a parent: refused without init_from
 TRAIN_GROUPS = ("scheme", "model", "data", "experiment", "debug", "tricks", "extend", "hybrid",
                 "recipe")  # conf/'s groups, train's only
+
+
+EVAL_NAMES = {"train.device": "device", "train.threads": "threads"}  # train's names, posbench eval's own
+HYDRA_VALUED = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                "--config-dir", "--experimental-rerun"}  # Hydra's flags whose value is the next argument
+
+
+def eval_argv(argv: list[str]) -> list[str]:
+    """``posbench eval``'s command line in the vocabulary of ``posbench train`` and ``posbench report`` too: a run
+    folder given as an argument (as the report takes folders) is ``run=<folder>``; ``run=`` (or the argument) may
+    name the run's checkpoint.pt, as ``init_from`` may; ``train.device=`` and ``train.threads=`` are eval's
+    ``device=`` and ``threads=``. Raises Refused for an argument that is neither an override nor a run folder."""
+    out = []
+    for i, a in enumerate(argv):
+        if a.startswith("-") or (i and argv[i - 1] in HYDRA_VALUED):
+            out.append(a)
+            continue
+        key, eq, value = a.partition("=")
+        if not eq:  # an argument, as posbench report takes its folders
+            key, value = "run", a
+            if not (Path(a).is_dir() or Path(a).name == checkpoint.NAME):
+                raise Refused(f"{a}: not a run folder; posbench eval takes the run as run=<run folder> (or its "
+                              "folder alone) and its options as key=value, e.g. posbench eval run=outputs/…_alibi "
+                              "eval.protocol=sliding")
+        if key == "run" and Path(value).name == checkpoint.NAME:
+            value = str(Path(value).parent)
+        out.append(f"{EVAL_NAMES.get(key, key)}={value}")
+    return out
+
+
+def slips(overrides: list[str], multirun: bool, config_name: str) -> None:
+    """Raise Refused for the command-line slips Hydra answers with an error that does not say the fix: a
+    comma-separated value without ``-m`` (``scheme=alibi,rope``: a sweep) and a config group given a non-string value
+    (``debug=true``). An override Hydra cannot parse is left to composition, which names it."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:  # (composition names it)
+        return
+    for o in parsed:
+        if o.is_sweep_override():
+            if multirun:
+                continue
+            raise Refused(f"{o.input_line}: a comma-separated value is a sweep, which runs with -m: posbench {config_name} "
+                          f"-m {' '.join(overrides)}")
+        group = o.key_or_group.lstrip("+~").split("@")[0]
+        if group in TRAIN_GROUPS and o.value() is not None and not isinstance(o.value(), str):
+            raise Refused(f"{o.input_line}: {group} is a config group; choose one of its options: "
+                          f"{', '.join(group_options(group))}")
+
+
+def group_options(group: str) -> list[str]:
+    """The options of one of conf/'s config groups (its YAML files' names; the scheme group's also the registered
+    schemes, which the CLI stores in Hydra's ConfigStore), sorted."""
+    stored = list(SCHEMES) if group == "scheme" else []
+    return sorted({*stored, *(f.name.removesuffix(".yaml") for f in files(CONFIG_MODULE).joinpath(group).iterdir()
+                              if f.name.endswith(".yaml"))})
 
 
 def check_eval_overrides(overrides: list[str]) -> None:
@@ -198,6 +263,12 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
     with open_dict(cfg):
         hydra_cfg = cfg.pop("hydra")
     key = key_of(cfg)
+    preset = hydra_cfg.runtime.choices.get("experiment")
+    if config_name == "train" and preset in FINE_TUNES and cfg.init_from is None:
+        raise ConfigError(f"experiment={preset} fine-tunes a trained run: give it one with init_from=<run folder or "
+                          f"its checkpoint.pt>, e.g. posbench train -m experiment={preset} init_from=outputs/rope128")
+    if config_name == "train" and not multirun:
+        unpinned(hydra_cfg, preset)
     if config_name == "eval":
         job = eval_job.prepare(cfg)
         return key, job, job.run_dir
@@ -205,6 +276,21 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
     if not multirun and dist.rank() == 0:
         runlock.check_free(folder)  # before its training states are read: another run may be writing them
     return key, train_job.prepare(cfg, None if multirun else folder), folder
+
+
+def unpinned(hydra_cfg: DictConfig, preset: str | None) -> None:
+    """Raise ConfigError for a single run (no ``-m``) of a preset that declares a sweep
+    (``hydra.sweeper.params``) and whose command line does not pick a value of every key it sweeps: Hydra would
+    silently run the config's defaults, one job, where the preset means a sweep. A command line that picks each
+    swept key runs that one job of the sweep (``posbench train experiment=demo scheme=alibi``)."""
+    declared = hydra_cfg.sweeper.params or {}
+    given = {o.split("=", 1)[0].lstrip("+~").split("@")[0] for o in hydra_cfg.overrides.task}
+    free = [k for k in declared if k.lstrip("+~").split("@")[0] not in given]
+    if free:
+        pins = " ".join(f"{k}=<one of {declared[k]}>" for k in free)
+        name = f"experiment={preset}" if preset else "the config"
+        raise ConfigError(f"{name} declares a sweep over {', '.join(free)}: run it with -m "
+                          f"(posbench train -m {' '.join(hydra_cfg.overrides.task)}), or run one of its jobs with {pins}")
 
 
 def writable(folder: Path, fix: str) -> None:
@@ -247,6 +333,7 @@ def prepare_all(argv: list[str], config_name: str) -> None:
         return
     if config_name == "eval":
         check_eval_overrides(overrides)
+    slips(overrides, bool(flags), config_name)
     PREPARED.clear()
     HELD.clear()
     message, jobs, folder = "", [], None
@@ -264,7 +351,7 @@ def prepare_all(argv: list[str], config_name: str) -> None:
     except (ConfigError, DataError, runlock.FolderInUse) as e:
         message = str(e)
     except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors, of many kinds
-        message = one_line(e)
+        message = one_line(e, tuple(overrides), config_name)
     refused = [m for m in dist.gather(message) if m]  # torchrun: a rank's own refusal (its memory, its GPU) stops all
     if refused:
         raise Refused(refused[0])
