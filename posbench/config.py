@@ -301,6 +301,31 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     return cfg
 
 
+SAID_ELSEWHERE = {  # what the first log line of a run or its label already says, and what changes no step
+    "train": {"seq_len", "steps", "batch_size", "device", "threads", "log_every", "checkpoint_every", "keep_checkpoints",
+              "check_memory", "sync_every", "compile", "precision", "random_positions", "pose", "pose_chunks"},
+    "data": {"cache_dir", "num_proc", "path", "validation", "test", "train_files", "validation_files", "test_files"},
+    "model": {"name", "n_layer", "n_head", "d_model", "d_ff", "layer_pattern", "global_scheme", "window",
+              "window_kind", "qk_norm", "qk_norm_layers", "qk_norm_weight", "attn_sink"},
+}
+
+
+def training_options(cfg: DictConfig) -> list[str]:
+    """``key=value`` for every option of a finalized ``cfg`` that changes training and is set away from the
+    schema's default, where neither the run's label nor its first log line says it: the optimiser and schedule
+    (``train.*``), the data and its curricula (``data.passkey_*``, ``data.copy_*``, ``data.vocab_size`` …), the model's
+    regularisation and attention scale (``model.*``), probes during training (``eval.probe_every``) and a parent
+    (``init_from``, ``init_rows``)."""
+    out = []
+    for section, defaults in (("train", TrainConfig()), ("data", DataConfig()), ("model", ModelConfig())):
+        for key, value in to_dict(cfg[section]).items():
+            if key not in SAID_ELSEWHERE[section] and value != getattr(defaults, key):
+                out.append(f"{section}.{key}={value}")
+    out += [f"eval.probe_every={cfg.eval.probe_every}"] * bool(cfg.eval.probe_every)
+    out += [f"{k}={cfg[k]}" for k in ("init_from", "init_rows") if cfg[k] != getattr(PosbenchConfig(), k)]
+    return out
+
+
 def to_dict(cfg: DictConfig) -> dict:
     """The resolved config as a plain dict (what results and checkpoints record)."""
     return OmegaConf.to_container(cfg, resolve=True)

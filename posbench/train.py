@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from posbench import build, checkpoint, context, dist, lineage, passkey, results
 from posbench.batches import copy_rate, get_batch, pose_positions, random_positions
-from posbench.config import to_dict
+from posbench.config import to_dict, training_options
 from posbench.device import autocast_dtype, flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.optim import Forward, lr_factor, make_optimizer
@@ -94,6 +94,8 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", job.label,
              f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
              proc.device, proc.threads, job.corpus.root)
+    dtype = autocast_dtype(t.precision, proc.device)
+    log.info("on: %s training%s", "bf16 autocast" if dtype else "fp32", "".join(f", {o}" for o in training_options(cfg)))
     with StopSignals() as stop:
         if Loop(job, model, optimizer, states, proc, tracker).run(progress, stop):  # a stop signal reached a rank
             states.save(progress, model, optimizer)

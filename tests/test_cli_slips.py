@@ -5,6 +5,8 @@ the value and the fix, exit status 2, and nothing written."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from helpers import posbench, refused, run_into, snapshot
@@ -119,3 +121,29 @@ def test_eval_refuses_a_probes_options_without_the_probe(trained_run, posbench_h
     proc = posbench_here("eval", f"run={trained_run}", "eval.context.stride=4")
     assert refused(proc, trained_run, before) == ("eval.context.stride=4 does nothing without its probe: add "
                                                   "'eval.probes=[context]', or drop it")
+
+
+# ---- the start of a run says what is on -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ([], ["on: fp32 training"]),
+    (["train.seq_len=64", "eval.lengths=[64]", "data.passkey_rate=0.5", "data.passkey_pairs=2", "data.copy_rate=0.3",
+      "data.copy_until=0.2", "model.attn_scale=ssmax", "train.lr=0.001", "train.schedule=constant", "eval.probe_every=2",
+      "eval.probes=[passkey]", "eval.passkey.lengths=[64]", "eval.passkey.trials=1"],
+     ["on: fp32 training, train.lr=0.001", "train.schedule=constant", "data.passkey_rate=0.5", "data.passkey_pairs=2",
+      "data.copy_rate=0.3", "data.copy_until=0.2", "model.attn_scale=ssmax", "eval.probe_every=2"]),
+    (["model.dropout=0.1", "train.weight_decay=0.0"], ["on: fp32 training", "train.weight_decay=0.0", "model.dropout=0.1"]),
+])
+def test_the_start_of_a_run_says_what_is_on(overrides, said, data_cache, tmp_path, torch_state, caplog):
+    """The curricula, the precision, the attention scale and every other option set away from its default that
+    changes training, in the run's log before its first step; a default run says only its precision (and here
+    debug=fast's warmup)."""
+    from helpers import train_here
+
+    with caplog.at_level(logging.INFO, logger="posbench"):
+        train_here(data_cache, tmp_path / "run", "train.steps=2", *overrides)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("on: ")]
+    assert all(s in line for s in said), line
+    if not overrides:
+        assert line == "on: fp32 training, train.warmup_steps=1"  # debug=fast's warmup
