@@ -66,7 +66,16 @@ def _atomic_save(path: Path, state: dict, checksum: bool = False) -> str:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}") from None
+    except BaseException:  # a second Ctrl-C mid-write: the half-written file does not stay behind
+        tmp.unlink(missing_ok=True)
+        path.with_name(path.name + ".sha256.tmp").unlink(missing_ok=True)
+        raise
     return digest
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    """The steps of the training states in ``run_dir/checkpoints`` (their file names; not checked), oldest first."""
+    return sorted(int(p.stem.removeprefix("step-")) for p in (Path(run_dir) / STATES).glob("step-*.pt"))
 
 
 def check_room(folder: Path, nbytes: int) -> None:

@@ -42,7 +42,7 @@ from posbench.data import DataError  # noqa: E402
 from posbench.jobs import CONFIG_MODULE, writable  # noqa: E402
 from posbench.report import compare, render  # noqa: E402
 from posbench.schemes import SCHEMES  # noqa: E402
-from posbench.signals import EXIT_INTERRUPTED  # noqa: E402
+from posbench.signals import EXIT_INTERRUPTED, Interrupted  # noqa: E402
 from posbench.tracking import Tracker  # noqa: E402
 from posbench.train import Preempted, TrainingFailed, train  # noqa: E402
 
@@ -193,8 +193,8 @@ COMMANDS = {"train": (_train, "train"), "eval": (_eval, "eval")}
 
 
 INTERRUPTED = {  # command → what Ctrl-C outside the training loop says after "posbench: interrupted (Ctrl-C)"
-    "train": "; a training run resumes from its last saved state when run again in the same folder "
-             "(hydra.run.dir=<its folder>)",
+    "train": "; a training run resumes from its newest saved training state, if it has one, when run again in the "
+             "same folder (hydra.run.dir=<its folder>)",
     "eval": " during posbench eval: the evaluation stopped, and an evaluation writes its eval-*.json only when it "
             "finishes; to evaluate, run the same posbench eval command again (it starts over; the run's own files "
             "are untouched)",
@@ -208,9 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         _main(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         dist.finish(together=False)
-        print(f"posbench: interrupted (Ctrl-C){INTERRUPTED.get(argv[0] if argv else '', '')}", file=sys.stderr)
+        said = e.advice() if isinstance(e, Interrupted) else INTERRUPTED.get(argv[0] if argv else "", "")
+        print(f"posbench: interrupted (Ctrl-C){said}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
 
 

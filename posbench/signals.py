@@ -27,6 +27,23 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C after saving a checkpo
 NOTICE_AFTER_S = 5.0  # a step still running this long after a stop signal gets a notice that the run waits for it
 
 
+class Interrupted(KeyboardInterrupt):
+    """The second Ctrl-C of a training run: it stopped at once, without a checkpoint. ``saved``: the step of the
+    newest training state in ``run_dir`` (what running it again resumes from), or None when none was saved."""
+
+    def __init__(self, run_dir, saved: int | None):
+        super().__init__()
+        self.run_dir, self.saved = run_dir, saved
+
+    def advice(self) -> str:
+        """What running the command again does, in a clause after "posbench: interrupted (Ctrl-C)"."""
+        again = f"run it again in the same folder (hydra.run.dir={self.run_dir})"
+        if self.saved is None:
+            return (f"; no training state was saved, so the run starts over from step 0 when you {again} "
+                    "(train.checkpoint_every=N saves one every N steps)")
+        return f"; the run resumes from its training state saved at step {self.saved} when you {again}"
+
+
 def exit_status(signum: int) -> int:
     """The exit status of a run stopped by ``signum`` after saving a checkpoint: 130 for SIGINT, else 75."""
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED

@@ -35,7 +35,7 @@ from posbench.config import to_dict, training_options
 from posbench.device import autocast_dtype, flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
 from posbench.optim import Forward, lr_factor, make_optimizer
-from posbench.signals import EXIT_PREEMPTED, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
+from posbench.signals import EXIT_PREEMPTED, Interrupted, StopSignals, exit_status  # noqa: F401  (EXIT_PREEMPTED: the CLI's)
 from posbench.tracking import Tracker
 from posbench.train_job import TrainJob
 from posbench.training_state import Progress, TrainingStates, probe_curve
@@ -90,6 +90,8 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     progress = states.start(job.state, model, optimizer, fresh=cfg.resume == "never")
     if progress.resumed_from:
         log.info("resumed from the checkpoint at step %d in %s", progress.step, out_dir / checkpoint.STATES)
+    elif (out_dir / "metrics.jsonl").exists() and cfg.resume == "auto":  # an earlier start stopped before a save
+        log.warning("%s holds an earlier start of this run but no training state: training from step 0", out_dir)
     states.check_room(model)
     log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", job.label,
              f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
@@ -97,9 +99,12 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     dtype = autocast_dtype(t.precision, proc.device)
     log.info("on: %s training%s", "bf16 autocast" if dtype else "fp32", "".join(f", {o}" for o in training_options(cfg)))
     with StopSignals() as stop:
-        if Loop(job, model, optimizer, states, proc, tracker).run(progress, stop):  # a stop signal reached a rank
-            states.save(progress, model, optimizer)
-            hand_off(stop, progress.step, out_dir)
+        try:
+            if Loop(job, model, optimizer, states, proc, tracker).run(progress, stop):  # a stop signal reached a rank
+                states.save(progress, model, optimizer)
+                hand_off(stop, progress.step, out_dir)
+        except KeyboardInterrupt:  # the second Ctrl-C: no checkpoint; the CLI says what a rerun resumes from
+            raise Interrupted(out_dir, (checkpoint.saved_steps(out_dir) or [None])[-1]) from None
     wall = progress.elapsed()
     if (progress.resumed_from or 0) < t.steps:
         states.save(progress, model, optimizer)

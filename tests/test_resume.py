@@ -537,3 +537,51 @@ def test_sigusr2_hands_over_to_the_handler_installed_before_after_the_checkpoint
         restored = signal.signal(signal.SIGUSR2, previous)
     assert calls == [(signal.SIGUSR2, [3])]  # called once, after the checkpoint of step 3 was written
     assert restored is submitit_like  # posbench's own handler was removed again
+
+
+# ---- a second Ctrl-C ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [0, 4])
+def test_a_second_ctrl_c_quits_at_once_and_says_what_a_rerun_resumes_from(cache, tmp_path, every):
+    """Ctrl-C twice: no checkpoint now, exit 130, one line saying from which saved state (or from step 0) the same
+    command goes on, and no half-written file; a rerun that finds no state says it starts from step 0."""
+    run = tmp_path / "run"
+    overrides = ["train.steps=400", f"train.checkpoint_every={every}", "train.threads=1", "train.log_every=1",
+                 "train.seq_len=256", "train.batch_size=32", *EVAL]  # steps long enough to Ctrl-C during one
+    proc = start(run, cache, *overrides)
+    wait_until(proc, lambda: len(rows(run)) >= 6, "six steps")
+    os.kill(proc.pid, signal.SIGINT)
+    wait_until(proc, lambda: "stopping after the current step" in output(run), "the first Ctrl-C")
+    os.kill(proc.pid, signal.SIGINT)  # (two at once would be one: a pending signal is not queued twice)
+    assert proc.wait(TIMEOUT) == 130, output(run)
+    last = output(run).strip().splitlines()[-1]
+    saved = valid_states(run)
+    assert (saved == []) if every == 0 else (saved and saved[-1] % 4 == 0), (saved, output(run))
+    if every == 0:
+        assert last == (f"posbench: interrupted (Ctrl-C); no training state was saved, so the run starts over from step "
+                        f"0 when you run it again in the same folder (hydra.run.dir={run}) (train.checkpoint_every=N "
+                        "saves one every N steps)"), output(run)
+    else:
+        assert last == (f"posbench: interrupted (Ctrl-C); the run resumes from its training state saved at step "
+                        f"{saved[-1]} when you run it again in the same folder (hydra.run.dir={run})"), output(run)
+    assert not list(run.rglob("*.tmp")) and "Traceback" not in output(run)
+    if every == 0:
+        again = cli(run, cache, "train.steps=2", "train.threads=1", "train.seq_len=256", *EVAL)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"{run} holds an earlier start of this run but no training state: training from step 0" in \
+            again.stdout + again.stderr
+
+
+def test_an_interrupted_checkpoint_write_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A KeyboardInterrupt while torch.save writes (a second Ctrl-C during the save) removes the temporary file."""
+    from posbench import checkpoint
+
+    def interrupted(obj, f, *args, **kwargs):
+        f.write(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_state(tmp_path, {"step": 3, "model": {}}, keep=2)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
