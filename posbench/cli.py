@@ -35,6 +35,7 @@ from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+import posbench  # noqa: E402
 from posbench import dist, eval_job, flex, gpus, jobs, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
 from posbench.checkpoint import CheckpointError  # noqa: E402
 from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
@@ -47,11 +48,12 @@ from posbench.tracking import Tracker  # noqa: E402
 from posbench.train import Preempted, TrainingFailed, train  # noqa: E402
 
 USAGE = """usage: posbench <command> [overrides...]
+       posbench --version
 
 commands:
-  train    train at length L, evaluate at L..16L        posbench train scheme=alibi
-  eval     re-evaluate a trained run          posbench eval run=<run folder> eval.protocol=sliding eval.stride=64
-  report   tables and plots from runs         posbench report <folders...> [--out DIR]
+  train    train at length L, evaluate at L..16L   posbench train scheme=alibi
+  eval     re-evaluate a trained run               posbench eval run=<run folder> eval.protocol=sliding eval.stride=64
+  report   tables and plots from runs              posbench report <folders...> [--out DIR]
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
 
@@ -218,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return
+    if argv[0] in ("--version", "-V"):
+        print(f"posbench {posbench.__version__}")
         return
     command, rest = argv[0], argv[1:]
     if command == "report":

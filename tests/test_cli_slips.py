@@ -147,3 +147,11 @@ def test_the_start_of_a_run_says_what_is_on(overrides, said, data_cache, tmp_pat
     assert all(s in line for s in said), line
     if not overrides:
         assert line == "on: fp32 training, train.warmup_steps=1"  # debug=fast's warmup
+
+
+def test_version_and_an_aligned_help(posbench_here):
+    from importlib.metadata import version
+
+    assert posbench_here("--version").stdout == f"posbench {version('posbench')}\n"
+    lines = [line for line in posbench_here("--help").stdout.splitlines() if line.startswith(("  train", "  eval", "  report"))]
+    assert len(lines) == 3 and len({line.index(" posbench ") for line in lines}) == 1, lines  # the examples in one column
