@@ -51,7 +51,7 @@ def _atomic_save(path: Path, state: dict, checksum: bool = False) -> str:
     the new file with its checksum or no new file, never a file that reads as corrupt.
 
     Raises CheckpointError when the write fails (the previous file at ``path`` is left as it was)."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, checked = path.with_name(path.name + ".tmp"), False
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -62,11 +62,14 @@ def _atomic_save(path: Path, state: dict, checksum: bool = False) -> str:
             side = path.with_name(path.name + ".sha256.tmp")
             side.write_text(digest + "\n")
             os.replace(side, path.with_name(path.name + ".sha256"))
+            checked = True
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}") from None
-    except BaseException:  # a second Ctrl-C mid-write: the half-written file does not stay behind
+    except BaseException:  # a second Ctrl-C mid-write: the half-written file does not stay behind; a whole one
+        if checked and tmp.exists():  # whose checksum is already in place becomes the file, or the checksum would lie
+            os.replace(tmp, path)
         tmp.unlink(missing_ok=True)
         path.with_name(path.name + ".sha256.tmp").unlink(missing_ok=True)
         raise

@@ -6,7 +6,7 @@ so a new choice is one tuple, not one more hand-written check. Every other value
 
     check_keys(cfg, PosbenchConfig());  check_choices(cfg, PosbenchConfig)
     run_values(cfg); train_values(cfg.train, cfg.init_from, training); data_values(cfg.data)
-    model_values(cfg.model, L); eval_values(cfg.eval, L); training_positions(cfg.train, schemes, cfg.eval)
+    model_values(cfg.model, L); eval_values(cfg.eval, L, needles); training_positions(cfg.train, schemes, cfg.eval)
     layers(cfg.model, cfg.scheme.name, L, longest)  # after the scheme's options are resolved
 
 Each raises :class:`ConfigError`, one line naming the value and what is allowed; some fill a derived default in
@@ -214,10 +214,14 @@ def model_values(m: DictConfig, seq_len: int) -> None:
                           "so L must be >= 2")
 
 
-def eval_values(e: DictConfig, seq_len: int) -> None:
+NEEDLE_FORMAT = ("keys", "key_vocab", "key_length", "marker", "end")  # eval.passkey's, also the training needles'
+
+
+def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
     """Fill ``eval.lengths`` (None → L·2^k, k = 0…4), ``eval.passkey.lengths`` (None → ``eval.lengths``) and
     ``eval.context.stride`` (None → L // 8), and check the evaluation settings (the probes' options by their own
-    checks: posbench/passkey.py, posbench/context.py)."""
+    checks: posbench/passkey.py, posbench/context.py); a probe's options set without the probe are refused, except
+    the needle format (:data:`NEEDLE_FORMAT`) when ``needles``: a training run's needles take it too."""
     if e.max_tokens is not None:
         positive("eval.max_tokens", e.max_tokens)
     positive("eval.batch_tokens", e.batch_tokens)
@@ -227,10 +231,10 @@ def eval_values(e: DictConfig, seq_len: int) -> None:
     if e.probe_every and "passkey" not in e.probes:
         raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
                           "'eval.probes=[passkey]', or drop eval.probe_every")
-    for probe in ("passkey", "context"):  # a probe's options without the probe
-        inert(dict(e[probe]), {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
-              probe in e.probes,
-              f"its probe: add 'eval.probes=[{probe}]'")
+    for probe in ("passkey", "context"):  # a probe's options without the probe (the needle format: also training's)
+        values = {k: v for k, v in e[probe].items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)}
+        inert(values, {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
+              probe in e.probes, f"its probe: add 'eval.probes=[{probe}]'")
     if e.lengths is None:
         e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:

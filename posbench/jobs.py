@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
@@ -28,12 +29,13 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from posbench import checkpoint, dist, eval_job, lineage, runlock, train_job
-from posbench.config import ConfigError, eval_schema, scheme_of, scheme_schema
+from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_of, scheme_schema
 from posbench.data import DataError
 from posbench.schemes import SCHEMES
 
@@ -87,6 +89,7 @@ TRAIN_GROUPS = ("scheme", "model", "data", "experiment", "debug", "tricks", "ext
 EVAL_NAMES = {"train.device": "device", "train.threads": "threads"}  # train's names, posbench eval's own
 HYDRA_VALUED = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                 "--config-dir", "--experimental-rerun"}  # Hydra's flags whose value is the next argument
+HYDRA_INFO = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # --info's optional value
 
 
 def eval_argv(argv: list[str]) -> list[str]:
@@ -96,7 +99,8 @@ def eval_argv(argv: list[str]) -> list[str]:
     ``device=`` and ``threads=``. Raises Refused for an argument that is neither an override nor a run folder."""
     out = []
     for i, a in enumerate(argv):
-        if a.startswith("-") or (i and argv[i - 1] in HYDRA_VALUED):
+        if a.startswith(("-", "~")) or (i and argv[i - 1] in HYDRA_VALUED) or \
+                (i and argv[i - 1] in ("-i", "--info") and a in HYDRA_INFO):
             out.append(a)
             continue
         key, eq, value = a.partition("=")
@@ -109,6 +113,10 @@ def eval_argv(argv: list[str]) -> list[str]:
         if key == "run" and Path(value).name == checkpoint.NAME:
             value = str(Path(value).parent)
         out.append(f"{EVAL_NAMES.get(key, key)}={value}")
+    runs = [a for a in out if a.startswith("run=")]
+    if len(runs) > 1:
+        raise Refused(f"{' '.join(runs)}: posbench eval evaluates one run; for several, sweep them: posbench eval -m "
+                      f"run={','.join(r.removeprefix('run=') for r in runs)}")
     return out
 
 
@@ -124,12 +132,25 @@ def slips(overrides: list[str], multirun: bool, config_name: str) -> None:
         if o.is_sweep_override():
             if multirun:
                 continue
-            raise Refused(f"{o.input_line}: a comma-separated value is a sweep, which runs with -m: posbench {config_name} "
-                          f"-m {' '.join(overrides)}")
+            if o.value_type == ValueType.SIMPLE_CHOICE_SWEEP and is_list(o.key_or_group.lstrip("+"), config_name):
+                raise Refused(f"{o.input_line}: {o.key_or_group} takes a list, written in brackets (quoted, for the "
+                              f"shell): '{o.key_or_group}=[{o.input_line.split('=', 1)[1]}]'; without -m a "
+                              "comma-separated value is a sweep")
+            kept = [a for a in overrides if not a.startswith("hydra.run.")]  # a sweep writes under hydra.sweep.dir
+            raise Refused(f"{o.input_line}: a sweep value, which runs with -m: posbench {config_name} -m {shlex.join(kept)}")
         group = o.key_or_group.lstrip("+~").split("@")[0]
         if group in TRAIN_GROUPS and o.value() is not None and not isinstance(o.value(), str):
             raise Refused(f"{o.input_line}: {group} is a config group; choose one of its options: "
                           f"{', '.join(group_options(group))}")
+
+
+def is_list(key: str, config_name: str) -> bool:
+    """Whether ``key`` (dotted) is a list in the schema of ``posbench <config_name>``."""
+    schema = OmegaConf.structured(PosbenchConfig if config_name == "train" else eval_schema())
+    try:
+        return isinstance(OmegaConf.select(schema, key, throw_on_missing=False), ListConfig)
+    except Exception:  # noqa: BLE001 - a key the schema cannot select (the scheme's): not a list of the schema's
+        return False
 
 
 def group_options(group: str) -> list[str]:
@@ -285,12 +306,14 @@ def unpinned(hydra_cfg: DictConfig, preset: str | None) -> None:
     swept key runs that one job of the sweep (``posbench train experiment=demo scheme=alibi``)."""
     declared = hydra_cfg.sweeper.params or {}
     given = {o.split("=", 1)[0].lstrip("+~").split("@")[0] for o in hydra_cfg.overrides.task}
+    command = [*hydra_cfg.overrides.task, *(o for o in hydra_cfg.overrides.hydra
+                                            if not o.startswith(("hydra.run.", "hydra.mode")))]  # a sweep's: not run.dir
     free = [k for k in declared if k.lstrip("+~").split("@")[0] not in given]
     if free:
         pins = " ".join(f"{k}=<one of {declared[k]}>" for k in free)
         name = f"experiment={preset}" if preset else "the config"
         raise ConfigError(f"{name} declares a sweep over {', '.join(free)}: run it with -m "
-                          f"(posbench train -m {' '.join(hydra_cfg.overrides.task)}), or run one of its jobs with {pins}")
+                          f"(posbench train -m {shlex.join(command)}), or run one of its jobs with {pins}")
 
 
 def writable(folder: Path, fix: str) -> None:

@@ -29,15 +29,19 @@ NOTICE_AFTER_S = 5.0  # a step still running this long after a stop signal gets 
 
 class Interrupted(KeyboardInterrupt):
     """The second Ctrl-C of a training run: it stopped at once, without a checkpoint. ``saved``: the step of the
-    newest training state in ``run_dir`` (what running it again resumes from), or None when none was saved."""
+    newest training state in ``run_dir`` (what running it again resumes from), or None when none was saved;
+    ``resume``: the run's ``resume`` setting (``never`` would start over)."""
 
-    def __init__(self, run_dir, saved: int | None):
+    def __init__(self, run_dir, saved: int | None, resume: str = "auto"):
         super().__init__()
-        self.run_dir, self.saved = run_dir, saved
+        self.run_dir, self.saved, self.resume = run_dir, saved, resume
 
     def advice(self) -> str:
         """What running the command again does, in a clause after "posbench: interrupted (Ctrl-C)"."""
         again = f"run it again in the same folder (hydra.run.dir={self.run_dir})"
+        if self.saved is not None and self.resume == "never":
+            return (f"; its training state saved at step {self.saved} is resumed when you {again} with resume=auto "
+                    "(with resume=never, the same command starts over)")
         if self.saved is None:
             return (f"; no training state was saved, so the run starts over from step 0 when you {again} "
                     "(train.checkpoint_every=N saves one every N steps)")

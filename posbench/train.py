@@ -88,7 +88,7 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     optimizer = make_optimizer(model, t, fused=proc.device.type == "cuda")
     states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device, job.lineage)
     progress = states.start(job.state, model, optimizer, fresh=cfg.resume == "never")
-    if progress.resumed_from:
+    if progress.resumed_from is not None:
         log.info("resumed from the checkpoint at step %d in %s", progress.step, out_dir / checkpoint.STATES)
     elif (out_dir / "metrics.jsonl").exists() and cfg.resume == "auto":  # an earlier start stopped before a save
         log.warning("%s holds an earlier start of this run but no training state: training from step 0", out_dir)
@@ -104,7 +104,7 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
                 states.save(progress, model, optimizer)
                 hand_off(stop, progress.step, out_dir)
         except KeyboardInterrupt:  # the second Ctrl-C: no checkpoint; the CLI says what a rerun resumes from
-            raise Interrupted(out_dir, (checkpoint.saved_steps(out_dir) or [None])[-1]) from None
+            raise Interrupted(out_dir, (checkpoint.saved_steps(out_dir) or [None])[-1], cfg.resume) from None
     wall = progress.elapsed()
     if (progress.resumed_from or 0) < t.steps:
         states.save(progress, model, optimizer)

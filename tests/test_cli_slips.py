@@ -27,9 +27,16 @@ from posbench import jobs
     (["debug=true"], "debug=true: debug is a config group; choose one of its options: fast"),
     (["model=1"], "model=1: model is a config group; choose one of its options: base, small, tiny"),
     (["scheme=true"], "scheme=true: scheme is a config group; choose one of its options: alibi, cope, fire, "),
-    (["scheme=alibi,rope"], "scheme=alibi,rope: a comma-separated value is a sweep, which runs with -m: posbench train -m "
-     "debug=fast scheme=alibi,rope hydra.run.dir=<run> data.cache_dir=<cache>"),
-    (["seed=0,1"], "seed=0,1: a comma-separated value is a sweep, which runs with -m: "),
+    (["scheme=alibi,rope"], "scheme=alibi,rope: a sweep value, which runs with -m: posbench train -m "
+     "debug=fast scheme=alibi,rope data.cache_dir=<cache>"),
+    (["seed=0,1"], "seed=0,1: a sweep value, which runs with -m: "),
+    (["seed=range(0,3)"], "seed=range(0,3): a sweep value, which runs with -m: posbench train -m debug=fast "
+     "'seed=range(0,3)' "),  # (quoted for the shell, as every suggested command)
+    (["eval.probes=passkey,context"], "eval.probes=passkey,context: eval.probes takes a list, written in brackets "
+     "(quoted, for the shell): 'eval.probes=[passkey,context]'; without -m a comma-separated value is a sweep"),
+    (["experiment=demo", "eval.lengths=[32,64]", "hydra.launcher.n_jobs=1"], "experiment=demo declares a sweep over "
+     "scheme: run it with -m (posbench train -m debug=fast experiment=demo 'eval.lengths=[32,64]' "
+     "data.cache_dir=<cache> hydra.launcher.n_jobs=1)"),  # the command as given, hydra.run.dir aside
 ])
 def test_a_slip_gets_one_line_with_its_fix(posbench_here, data_cache, tmp_path, overrides, message):
     run = tmp_path / "run"
@@ -72,6 +79,13 @@ def test_eval_takes_the_run_as_report_and_init_from_take_it(form, trained_run, p
     assert (job.run_dir, job.device, job.threads) == (trained_run, "cpu", 1)
 
 
+def test_eval_takes_hydras_info_flag_and_one_run(trained_run, posbench_here):
+    assert posbench_here("eval", f"run={trained_run}", "--info", "defaults").returncode == 0  # (its value: not a run)
+    before = snapshot(trained_run)
+    assert refused(posbench_here("eval", trained_run, trained_run), trained_run, before) == (
+        "run=<run> run=<run>: posbench eval evaluates one run; for several, sweep them: posbench eval -m run=<run>,<run>")
+
+
 @pytest.mark.parametrize("args, message", [
     (["no-such-folder"], "no-such-folder: not a run folder; posbench eval takes the run as run=<run folder> (or its "
      "folder alone) and its options as key=value, e.g. posbench eval run=outputs/…_alibi eval.protocol=sliding"),
@@ -98,6 +112,8 @@ def test_eval_hints_name_eval(args, message, trained_run, posbench_here, tmp_pat
      "probe: add 'eval.probes=[passkey]', or drop it"),
     (["eval.context.stride=8"], "eval.context.stride=8 does nothing without its probe: add 'eval.probes=[context]', "
      "or drop it"),
+    (["data.passkey_rate=0.5", "eval.passkey.trials=5", "train.seq_len=64", "eval.lengths=[64]"],
+     "eval.passkey.trials=5 does nothing without its probe: add 'eval.probes=[passkey]', or drop it"),
 ])
 def test_an_option_without_the_one_it_acts_through_is_refused(posbench_here, data_cache, tmp_path, overrides, message):
     before = snapshot(tmp_path)
@@ -110,7 +126,8 @@ def test_an_option_without_the_one_it_acts_through_is_refused(posbench_here, dat
     ["eval.probes=[passkey]", "eval.passkey.trials=5"],
     ["eval.probes=[context]", "eval.context.stride=8"],
     ["data.passkey_pairs=1", "data.copy_until=0.5"],  # the defaults, said again: nothing to refuse
-])
+    ["data.passkey_rate=0.5", "eval.passkey.keys=frequent", "train.seq_len=64", "eval.lengths=[64]"],  # the training
+])                                                                           # needles' format, without the probe
 def test_with_what_it_acts_through_it_runs(posbench_here, data_cache, tmp_path, overrides):
     proc = run_into(posbench_here, data_cache, tmp_path / "run", *overrides)
     assert proc.returncode == 0, proc.stderr

@@ -585,3 +585,33 @@ def test_an_interrupted_checkpoint_write_leaves_no_file_behind(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_state(tmp_path, {"step": 3, "model": {}}, keep=2)
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_checkpoint_whose_checksum_is_written_is_kept_when_interrupted(tmp_path, monkeypatch):
+    """A Ctrl-C between the checksum's rename and the state's leaves the (whole, fsynced) state in place, so the
+    checksum matches the file it names."""
+    from posbench import checkpoint
+
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the state's own rename, after the checksum's
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_state(tmp_path, {"step": 3, "model": {}}, keep=2)
+    monkeypatch.setattr(checkpoint.os, "replace", real)
+    state = tmp_path / checkpoint.STATES / "step-00000003.pt"
+    assert state.with_name(state.name + ".sha256").read_text().strip() == checkpoint.file_sha256(state)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_the_second_ctrl_c_of_a_resume_never_run_says_how_to_resume():
+    from posbench.signals import Interrupted
+
+    assert Interrupted("out/run", 8, "never").advice() == (
+        "; its training state saved at step 8 is resumed when you run it again in the same folder "
+        "(hydra.run.dir=out/run) with resume=auto (with resume=never, the same command starts over)")
