@@ -231,10 +231,7 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
     if e.probe_every and "passkey" not in e.probes:
         raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
                           "'eval.probes=[passkey]', or drop eval.probe_every")
-    for probe in ("passkey", "context"):  # a probe's options without the probe (the needle format: also training's)
-        values = {k: v for k, v in e[probe].items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)}
-        inert(values, {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
-              probe in e.probes, f"its probe: add 'eval.probes=[{probe}]'")
+    given = {probe: dict(e[probe]) for probe in ("passkey", "context")}  # before the fills below
     if e.lengths is None:
         e.lengths = [seq_len * 2**k for k in range(5)]
     if len(e.lengths) == 0:
@@ -252,6 +249,10 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
         context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    for probe, values in given.items():  # a probe's valid options without the probe (the needle format: training's too)
+        values = {k: v for k, v in values.items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)}
+        inert(values, {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
+              probe in e.probes, f"its probe: add 'eval.probes=[{probe}]'")
     if e.protocol != "sliding" and e.stride is not None:
         raise ConfigError(f"eval.stride={e.stride} applies to eval.protocol=sliding only, and eval.protocol="
                           f"{e.protocol}: drop eval.stride, or add eval.protocol=sliding")

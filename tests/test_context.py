@@ -222,7 +222,8 @@ def test_bad_context_settings_are_refused_in_one_line(overrides, message, hydra_
 def test_the_stride_defaults_to_L_over_8_and_is_checked_against_lengths_only_when_probing(hydra_ctx):
     assert finalize(compose("train", overrides=["eval.probes=[context]"])).eval.context.stride == 16
     assert finalize(compose("train", overrides=["train.seq_len=4", "eval.probes=[context]"])).eval.context.stride == 1
-    assert finalize(compose("train", overrides=["eval.context.stride=5"])).eval.context.stride == 5  # not probing
+    with pytest.raises(ConfigError, match=r"eval.context.stride=5 does nothing without its probe: add 'eval.probes=\[context\]'"):
+        finalize(compose("train", overrides=["eval.context.stride=5"]))  # not probing: a stride that would do nothing
     cfg = finalize(compose("train", overrides=["eval.probes=[passkey,context]", "eval.context.stride=32"]))
     assert list(cfg.eval.probes) == ["passkey", "context"]
 

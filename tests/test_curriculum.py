@@ -242,8 +242,9 @@ def test_bad_values_are_refused_in_one_line(cfg_of, overrides, message):
 
 def test_filled_key_vocabulary_follows_the_key_kind(cfg_of):
     assert cfg_of().eval.passkey.key_vocab == 10
-    assert cfg_of("eval.passkey.keys=frequent").eval.passkey.key_vocab == 100
-    assert cfg_of("eval.passkey.keys=reserved", "eval.passkey.key_vocab=30").eval.passkey.key_vocab == 30
+    probe = "eval.probes=[passkey]"  # (a probe's options without it are refused)
+    assert cfg_of(probe, "eval.passkey.keys=frequent").eval.passkey.key_vocab == 100
+    assert cfg_of(probe, "eval.passkey.keys=reserved", "eval.passkey.key_vocab=30").eval.passkey.key_vocab == 30
 
 
 @pytest.mark.parametrize("overrides, message", [
