@@ -249,8 +249,11 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
         context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    filled = {("passkey", "lengths"): list(e.lengths), ("passkey", "key_vocab"): passkey.KEYS.get(e.passkey["keys"]),
+              ("context", "stride"): max(1, seq_len // 8)}  # what the fills above give: a finalized config holds them
     for probe, values in given.items():  # a probe's valid options without the probe (the needle format: training's too)
-        values = {k: v for k, v in values.items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)}
+        values = {k: v for k, v in values.items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)
+                  and not (v is not None and v == filled.get((probe, k)))}
         inert(values, {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
               probe in e.probes, f"its probe: add 'eval.probes=[{probe}]'")
     if e.protocol != "sliding" and e.stride is not None:

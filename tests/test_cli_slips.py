@@ -135,8 +135,8 @@ def test_with_what_it_acts_through_it_runs(posbench_here, data_cache, tmp_path, 
 
 def test_eval_refuses_a_probes_options_without_the_probe(trained_run, posbench_here):
     before = snapshot(trained_run)
-    proc = posbench_here("eval", f"run={trained_run}", "eval.context.stride=4")
-    assert refused(proc, trained_run, before) == ("eval.context.stride=4 does nothing without its probe: add "
+    proc = posbench_here("eval", f"run={trained_run}", "eval.context.stride=2")  # (4 = L // 8: the default, said again)
+    assert refused(proc, trained_run, before) == ("eval.context.stride=2 does nothing without its probe: add "
                                                   "'eval.probes=[context]', or drop it")
 
 
