@@ -26,8 +26,8 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("build", "checkpoint", "report.compare"),
     # 7 — init_from, the memory estimate, the report rendered, training states
     ("lineage", "memory", "report.render", "training_state"),
-    # 8 — a training job, prepared; a re-evaluation job, prepared and run
-    ("train_job", "eval_job"),
+    # 8 — a training job, prepared; a re-evaluation job, prepared and run; the command line's overrides, read
+    ("train_job", "eval_job", "overrides"),
     # 9 — the training loop
     ("train",),
     # 10 — every job of a command line, prepared before Hydra

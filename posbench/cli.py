@@ -36,7 +36,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import posbench  # noqa: E402
-from posbench import dist, eval_job, flex, gpus, jobs, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
+from posbench import dist, eval_job, flex, gpus, jobs, overrides, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
 from posbench.checkpoint import CheckpointError  # noqa: E402
 from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
 from posbench.data import DataError  # noqa: E402
@@ -232,8 +232,8 @@ def _main(argv: list[str]) -> None:
     task, config_name = COMMANDS[command]
     if command == "eval":
         try:
-            rest = jobs.eval_argv(rest)
-        except jobs.Refused as e:
+            rest = overrides.eval_argv(rest)
+        except overrides.Refused as e:
             fail(str(e))
     register()
     dist.init()  # torchrun: every rank checks the same jobs, then writes one run folder (rank 0's time stamps it)

@@ -301,12 +301,13 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     return cfg
 
 
+LAYER_KEYS = ("layer_pattern", "global_scheme", "window", "window_kind", "qk_norm", "qk_norm_layers", "qk_norm_weight",
+              "attn_sink")  # model.*: a hybrid's layers (its label says them; a fine-tune takes them from its parent)
 SAID_ELSEWHERE = {  # what the first log line of a run or its label already says, and what changes no step
     "train": {"seq_len", "steps", "batch_size", "device", "threads", "log_every", "checkpoint_every", "keep_checkpoints",
               "check_memory", "sync_every", "compile", "precision", "random_positions", "pose", "pose_chunks"},
     "data": {"cache_dir", "num_proc", "path", "validation", "test", "train_files", "validation_files", "test_files"},
-    "model": {"name", "n_layer", "n_head", "d_model", "d_ff", "layer_pattern", "global_scheme", "window",
-              "window_kind", "qk_norm", "qk_norm_layers", "qk_norm_weight", "attn_sink"},
+    "model": {"name", "n_layer", "n_head", "d_model", "d_ff", *LAYER_KEYS},
 }
 
 

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, open_dict
 
 from posbench import build, checkpoint
 from posbench.build import MODEL_KEYS
-from posbench.config import ConfigError, scheme_schema, to_dict
+from posbench.config import LAYER_KEYS, ConfigError, scheme_schema, to_dict
 from posbench.corpora import file_sha256
 from posbench.results import run_label
 from posbench.schemes import SCHEMES
@@ -46,8 +46,6 @@ from posbench.upgrade import model_section
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
-LAYER_KEYS = ("layer_pattern", "global_scheme", "window", "window_kind", "qk_norm", "qk_norm_layers", "qk_norm_weight",
-              "attn_sink")  # model.*: a hybrid's layers, which a fine-tune takes from its parent unless given
 
 
 @dataclass(frozen=True)
