@@ -7,8 +7,10 @@ new run checked against it, its weights loaded, and the lineage the new run reco
 The new run's model starts from the parent's weights; its optimizer, schedule and step count start fresh. It takes
 the parent's scheme, with the parent's options, the parent's train length L and its layers (a hybrid model's
 pattern, window, global scheme, QK-norm and sinks), unless the command line or a preset gives them
-(:func:`inherited`: posbench/jobs.py puts it into Hydra's composition); its other ``train.*`` and ``eval.*``
-options are its own, and the options that differ from the parent's are logged when it starts
+(:func:`inherited`: posbench/jobs.py puts it into Hydra's composition), and the parent's evaluation lengths when
+none are given and they reach the new L (:func:`inherit`: the report puts the run beside its parent, in the table of
+those lengths); its other ``train.*`` and ``eval.*`` options are its own, and the options that differ from the
+parent's are logged when it starts
 (:func:`differences`). The rules (docs/design.md §5.6), each checked by :func:`check_config` and :func:`check`
 before anything is written:
 
@@ -136,8 +138,14 @@ def full_section(section: dict | None) -> dict | None:
 
 
 def inherit(cfg: DictConfig, parent: Parent) -> None:
-    """Set the options of ``cfg.scheme`` left unset (None) to the parent's resolved values, when the scheme keeps
-    its name (a learned table keeps the parent's ``max_positions``)."""
+    """Fill what ``cfg`` left unset from the parent: ``eval.lengths`` (None) with the parent's evaluation lengths
+    when the longest reaches the new run's L (a run fine-tuned at 512 from a run evaluated at 128 … 2048 is evaluated
+    at 128 … 2048, beside its parent; otherwise None: L … 16L of its own L), and, when the scheme keeps its name, the
+    options of ``cfg.scheme`` left unset (None) with the parent's resolved values (a learned table keeps the
+    parent's ``max_positions``)."""
+    lengths = parent.state["config"]["eval"].get("lengths")
+    if cfg.eval.lengths is None and lengths and max(lengths) >= cfg.train.seq_len:
+        cfg.eval.lengths = list(lengths)
     if cfg.scheme.name != parent.scheme["name"]:
         return
     with open_dict(cfg.scheme):

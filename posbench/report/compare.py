@@ -257,7 +257,8 @@ def fold(records: list[dict]) -> list[dict]:
             recs = sorted(recs, key=lambda r: value_key(r["seed"]))
             for length in lengths:
                 res = [next(r for r in rec["results"] if r["length"] == length) for rec in recs]
-                cells[setting, length] = {**head, "setting": setting, "label": recs[0]["label"],
+                cells[setting, length] = {**head, "setting": setting, "label": recs[0]["label"], "folders": [
+                                              str(Path(rec["path"]).resolve().parent) for rec in recs],
                                           "differs": recs[0]["differs"], "length": length, **_budget(recs[0]), **stats.summary(
                     [r["nll"] for r in res], [(r["window_nll"], r["window_tokens"]) if "window_nll" in r and
                                               "window_tokens" in r else None for r in res])}
@@ -273,10 +274,12 @@ def fold(records: list[dict]) -> list[dict]:
 
 def _budget(rec: dict) -> dict:
     """A record's training budget: ``train_tokens`` (its own), and for a fine-tuned run its ``method`` (its label
-    without the step count: ``rope+yarn×4 ft512``) and ``total_train_tokens`` (its parent's line's + its own)."""
+    without the step count: ``rope+yarn×4 ft512``), ``total_train_tokens`` (its parent's line's + its own) and
+    ``parent`` (the parent's run folder, resolved)."""
     lineage = rec.get("lineage")
     return {"train_tokens": rec.get("train_tokens"), "total_train_tokens": rec.get("total_train_tokens"),
-            "method": run_label(rec["config"], lineage, steps=False) if lineage else None}
+            "method": run_label(rec["config"], lineage, steps=False) if lineage else None,
+            "parent": str(Path(lineage["folder"]).resolve()) if lineage and lineage.get("folder") else None}
 
 
 # ---- what the plots draw --------------------------------------------------------------------------
@@ -304,6 +307,16 @@ def finetune_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
         series[r["method"]][0].append(r["train_tokens"] or 0)
         series[r["method"]][1].append(r["ppl"])
     return dict(series)
+
+
+def finetune_parents(rows: list[dict]) -> dict[str, float]:
+    """{row label: perplexity at the longest evaluation length} of the plotted table's rows that are the parent of
+    one of its fine-tuned rows (a row's run folder is a fine-tuned row's ``parent``): the weights before fine-tuning."""
+    first = min(r["table"] for r in rows)
+    longest = max(r["length"] for r in rows if r["table"] == first)
+    plotted = [r for r in rows if r["table"] == first and r["length"] == longest]
+    parents = {r["parent"] for r in plotted if r.get("parent")}
+    return {r["label"]: r["ppl"] for r in plotted if not r.get("method") and parents & set(r.get("folders", []))}
 
 
 def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[tuple[str, int], tuple[list, list]]:

@@ -141,16 +141,24 @@ def _panel(ax, train_length: int, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_title(_title(title), fontsize=FONT + 1)
 
 
-def draw_finetune(out: Path, series: dict[str, tuple[list, list]], length: int, title: str) -> Path:
+def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict[str, float], length: int,
+                  title: str) -> Path:
     """Write ``ppl_vs_finetune.png``: for each method (``rope+yarn×4 ft512``), perplexity at evaluation length
-    ``length`` against its fine-tuning tokens (0: the parent's weights as they are); return its path."""
+    ``length`` against its fine-tuning tokens (0: the method applied to the parent's weights), and each parent's
+    perplexity there (``parents``: {label: perplexity}) as a dotted horizontal line; return its path."""
     plt = _pyplot()
     import matplotlib.ticker  # (plain numbers on the axis)
 
     styles = list(_styles({method: method for method in series}).values())
-    fig, (ax,) = _figure(plt, 1, len(series), max(map(len, series)))
+    names = [*series, *(f"{label} (parent, not fine-tuned)" for label in parents)]
+    fig, (ax,) = _figure(plt, 1, len(names), max(map(len, names)))
     for style, (xs, ys) in zip(styles, series.values()):
         ax.plot(xs, ys, **style)
+    for i, (label, ppl) in enumerate(parents.items()):
+        styles.append({"color": "0.4", "linestyle": (":", "-.", "--")[i % 3], "linewidth": 1.2,
+                       "label": names[len(series) + i]})
+        ax.axhline(ppl, **styles[-1])
+    ax.set_xlim(left=-0.04 * max(max(xs, default=0) for xs, _ in series.values()) or None)  # from 0 fine-tuning tokens
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.tick_params(labelsize=FONT)

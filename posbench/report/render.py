@@ -265,7 +265,8 @@ def _draw(out: Path, records: list[dict], rows: list[dict], train_length: int, c
                                                          context_cells[0]["settings"]["train_length"], labels)
     series = compare.finetune_series(rows)
     if series:
-        images["ppl_vs_finetune"] = plots.draw_finetune(out, series, max(rows[0]["lengths"]), panels[0][0])
+        images["ppl_vs_finetune"] = plots.draw_finetune(out, series, compare.finetune_parents(rows),
+                                                        max(rows[0]["lengths"]), panels[0][0])
     return images
 
 
