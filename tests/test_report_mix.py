@@ -27,7 +27,7 @@ TABLES = ["nonoverlapping, validation split, max_tokens=256, lengths 128…4096"
           "nonoverlapping, validation split, max_tokens=256, lengths 32, 64",
           "nonoverlapping, validation split, max_tokens=512, lengths 32…512"]
 LABELS = ["alibi, data.passkey_rate=0.0", "alibi, data.passkey_rate=0.1", "alibi+rand2048", "rope", "rope+rand2048",
-          "rope ft128×0", "rope ft128×50", "rope ft512×0", "rope ft512×50", "rope+yarn×4 ft512×50", "rope+yarn×4"]
+          "rope ft128×0", "rope ft128×50", "rope ft512×0", "rope ft512×50", "rope+yarn×4 ft512×50", "rope (yarn×4 at eval)"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,8 @@ def test_cli_rows_are_short_labels_with_a_legend_table(mix_report):
     legend = legend_rows(stdout)
     assert legend["rope ft128×0"] == {"train.batch_size": "16", "train.seq_len": "128", "train.steps": "0"}, legend
     assert legend["alibi, data.passkey_rate=0.1"] == {"data.passkey_rate": "0.1"}, legend
-    assert "Every row here has `data.passkey_rate` = 0.0, `init_from` = rope, `train.lr` = 0.0005" in stdout, stdout
+    assert ("The rows of this table share `data.passkey_rate` = 0.0, `init_from` = rope, `train.lr` = 0.0005"
+            in stdout), stdout
     rows = report_csv(out)
     by_label = {r["label"]: r["setting"] for r in rows}
     assert sorted(by_label) == sorted(LABELS)
@@ -66,7 +67,7 @@ def test_cli_rows_are_short_labels_with_a_legend_table(mix_report):
                                         "train.lr=0.0005, train.schedule=constant, train.weight_decay=0.0")
     assert {"setting", "ppl", "test", "p_value", "significantly_worse", "label", "reference", "windows"} <= set(rows[0])
     with open(out / "passkey.csv", newline="") as f:
-        assert {r["label"] for r in csv.DictReader(f)} == {"alibi, data.passkey_rate=0.1", "rope+yarn×4"}
+        assert {r["label"] for r in csv.DictReader(f)} == {"alibi, data.passkey_rate=0.1", "rope (yarn×4 at eval)"}
 
 
 def test_cli_names_each_columns_reference_and_test(mix_report):
@@ -132,7 +133,7 @@ def test_plots_keep_legends_off_the_axes_and_titles_apart(tmp_path, monkeypatch)
     assert set(LABELS) <= set(drawn["ppl_vs_length"]["entries"])  # every row named in the legend
     assert [t.split(". ", 1)[1].replace("\n", " ") for t in drawn["ppl_vs_length"]["titles"][1:]] == TABLES
     assert [t.replace("\n", " ") for t in drawn["passkey_heatmap"]["titles"][1:]] == ["alibi, data.passkey_rate=0.1",
-                                                                                      "rope+yarn×4"]
+                                                                                      "rope (yarn×4 at eval)"]
 
 
 def test_a_verdict_the_numbers_do_not_tell_gets_a_footnote(tmp_path):
@@ -188,3 +189,40 @@ def test_too_few_windows_is_no_test():
 def test_the_fixture_holds_records_only():
     files = [p for p in MIX.rglob("*") if p.is_file()]  # no checkpoint, no report of its own
     assert {p.suffix for p in files} == {".json", ".md"} and sum(p.stat().st_size for p in files) < 200_000
+
+
+def test_report_text_lists_no_unused_option_and_each_scheme_setting_once(mix_report):
+    """Issue 39 item 8: no run here ran the context probe, copied or trained with several passkey pairs, so none of
+    those options is listed; the passkey probe's options are not 'held fixed' when most runs never ran it; the
+    rows' scheme settings come as one line per distinct set (2 here: RoPE as it is, and with YaRN ×4)."""
+    _, _, out = mix_report
+    md = (out / "report.md").read_text()
+    for key in ("eval.context.", "data.copy_until", "data.passkey_pairs", "model.qk_norm_layers", "train.pose_chunks"):
+        assert f"`{key}" not in md, key
+    fixed = md.split("## Settings held fixed")[1].split("## ")[0]
+    assert "eval.passkey." not in fixed, fixed
+    schemes = md.split("## Scheme settings")[1].split("## ")[0].strip().splitlines()
+    assert len(schemes) == 2, schemes
+    assert schemes[1].startswith("- rope+yarn×4 ft512×50, rope (yarn×4 at eval): `scheme.base` = 10000.0"), schemes
+    assert "Every row here has" not in md and "(settings that differ between the reported runs)" not in md
+
+
+def test_rows_sharing_a_run_label_are_told_apart_by_their_values_never_by_number():
+    """Issue 39 item 8: rows that share a run label are labelled with the values of the fewest settings that tell them
+    apart (a sweep over lr × batch size: both; over lr with a long list beside it: lr only), keys shortened to their
+    last name, then values cut, only as far as needed to fit LABEL_WIDTH with the labels still distinct."""
+    def labels(rows):
+        records = [{"order": (i,), "setting": f"s{i}", "differs": d, "config": {"scheme": {"name": "rope"}, "train": {}},
+                    "path": f"r{i}"} for i, d in enumerate(rows)]
+        compare._short_labels(records)
+        return [r["label"] for r in records]
+
+    grid = [{"train.lr": lr, "train.batch_size": b, "data.name": "shakespeare"} for lr in ("0.001", "0.002") for b in ("8", "16")]
+    assert labels(grid) == ["rope, lr=0.001, batch_size=8", "rope, lr=0.001, batch_size=16",  # full keys: 41 characters
+                            "rope, lr=0.002, batch_size=8", "rope, lr=0.002, batch_size=16"]
+    lr_only = [{"train.lr": lr, "data.validation": v} for lr, v in (("0.001", '["hamlet"]'), ("0.002", '["macbeth", "lear"]'))]
+    assert labels(lr_only) == ["rope, train.lr=0.001", "rope, train.lr=0.002"]  # one value tells them apart
+    plays = [{"data.validation": f'["{play}", "the-tempest", "twelfth-night"]'} for play in ("hamlet", "macbeth")]
+    assert labels(plays) == ['rope, validation=["hamlet"…', 'rope, validation=["macbeth…']
+    same_start = [{"data.validation": f'["hamlet", "the-tempest", "act-{i}"]'} for i in (1, 2)]  # cut: the same
+    assert labels(same_start) == [f'rope, data.validation=["hamlet", "the-tempest", "act-{i}"]' for i in (1, 2)]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from posbench.report import stats
 from posbench.results import READABLE, SUPERSEDED, run_label
+from posbench.schemes import variant_label
 from posbench.upgrade import upgrade
 
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
@@ -28,7 +29,7 @@ TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions"
               "model.layer_pattern", "model.window", "model.global_scheme", "model.qk_norm", "model.attn_sink")  # states
 # (+rand2048, +LLLG(w32, G=nope); keys match as prefixes: model.window_kind, model.global_scheme.base, train.pose_chunks)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
-LABEL_WIDTH = 40  # the longest short row label with values (``alibi, data.passkey_rate=0.1``); longer: ``alibi #2``
+LABEL_WIDTH = 40  # the longest short row label with values (``alibi, data.passkey_rate=0.1``), where it can be
 
 
 class ReportError(ValueError):
@@ -75,6 +76,7 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                     continue
                 rec["path"] = str(path)
                 records.append(rec)
+            _mark_reevaluations([r for r in records if Path(r["path"]).parent == run])
     if records:
         common = Counter(map(origin_length, records)).most_common(1)[0][0]
         skipped += [f"{r['path']}: train length L={origin_length(r)} differs from L={common} of the other runs"
@@ -93,8 +95,23 @@ def origin_length(rec: dict) -> int:
     return (rec.get("lineage") or {}).get("origin_length", rec["train_length"])
 
 
+def _mark_reevaluations(run: list[dict]) -> None:
+    """Set ``applied`` on each record of one run folder that ``posbench eval`` made with other scheme options
+    (``scheme_overrides``): ``(the training record's run label, what the options add to the scheme's label)``, e.g.
+    ``("rope", "yarn×4")``; without the training record, the label is left as it is."""
+    trained = next((r for r in run if Path(r["path"]).name == "results.json"), None)
+    for rec in run:
+        if rec.get("scheme_overrides") and trained is not None:
+            base, new = variant_label(trained["config"]["scheme"]), variant_label(rec["config"]["scheme"])
+            rec["applied"] = (label_of(trained), new[len(base):].lstrip("+") if new.startswith(base) else new)
+
+
 def label_of(rec: dict) -> str:
-    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``)."""
+    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``); a
+    re-evaluation with other scheme options (``applied``: :func:`_mark_reevaluations`) names the run it was applied
+    to: ``rope (yarn×4 at eval)``."""
+    if rec.get("applied"):
+        return "{} ({} at eval)".format(*rec["applied"])
     return run_label(rec["config"], rec.get("lineage"))
 
 
@@ -114,7 +131,7 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
     label_keys, kept, first = settings(records)[0], [], {}
     every = sorted({k for keys in label_keys.values() for k in keys})
     for rec in sorted(records, key=lambda r: r["path"]):
-        flat, label = _flat(rec["config"]), label_of(rec)
+        flat, label = options(rec["config"]), label_of(rec)
         keys = label_keys[label]
         rec["differs"] = {k: _show(flat[k]) for k in every if k in flat}
         rec["setting"] = ", ".join([label, *(f"{k}={rec['differs'][k]}" for k in keys)])
@@ -130,20 +147,46 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
 
 def _short_labels(records: list[dict]) -> None:
     """Set each record's ``label``: its run label (:func:`label_of`), then, where rows of several settings share that
-    run label, the values that tell those rows apart (``rope, scheme.base=500.0``), or, where those would make the
-    label longer than :data:`LABEL_WIDTH` characters, the row's place among them in row order (``alibi #2``). The
-    other settings that differ between runs are the report's legend tables (``differs``)."""
+    run label, the values of the fewest settings that tell those rows apart (:func:`_telling`:
+    ``rope, scheme.base=500.0``), shortened to fit :data:`LABEL_WIDTH` characters where that keeps them apart
+    (:func:`_fitted`: ``rope, base=500.0``). The other settings that differ between runs are the report's legend
+    tables (``differs``)."""
     groups = defaultdict(dict)
     for rec in sorted(records, key=lambda r: r["order"]):
         groups[label_of(rec)].setdefault(rec["setting"], rec["differs"])
     short = {}
     for name, rows in groups.items():
-        keys = [k for k in dict.fromkeys(k for d in rows.values() for k in d) if len({d.get(k) for d in rows.values()}) > 1]
-        for i, (setting, differs) in enumerate(rows.items(), 1):
-            label = ", ".join([name, *(f"{k}={differs.get(k, '–')}" for k in keys)])
-            short[setting] = label if len(label) <= LABEL_WIDTH or len(rows) == 1 else f"{name} #{i}"
+        keys = _telling(rows)
+        short.update(zip(rows, _fitted(name, [[(k, d.get(k, "–")) for k in keys] for d in rows.values()])))
     for rec in records:
         rec["label"] = short[rec["setting"]]
+
+
+def _telling(rows: dict[str, dict]) -> list[str]:
+    """The fewest keys (chosen greedily, each the one that tells most rows apart, kept in the rows' key order) whose
+    values tell the rows (``{setting: {key: value}}``) apart; [] for one row."""
+    every = [k for k in dict.fromkeys(k for d in rows.values() for k in d) if len({d.get(k) for d in rows.values()}) > 1]
+    chosen = []
+    while len({tuple(d.get(k) for k in chosen) for d in rows.values()}) < len(rows) and len(chosen) < len(every):
+        chosen.append(max((k for k in every if k not in chosen),
+                          key=lambda k: len({tuple(d.get(c) for c in [*chosen, k]) for d in rows.values()})))
+    return [k for k in every if k in chosen]
+
+
+def _fitted(name: str, parts: list[list[tuple[str, str]]]) -> list[str]:
+    """Each row's label, ``name`` and its ``key=value`` parts: with full keys when every label fits
+    :data:`LABEL_WIDTH`, else with the keys' last names (``base=500.0``), else with values cut to 10 characters
+    (``…``), whichever first fits with the labels still distinct; full keys when none does."""
+    def cut(value: str) -> str:
+        return value if len(value) <= 10 else value[:9] + "…"
+
+    forms = [lambda k, v: f"{k}={v}", lambda k, v: f"{k.rsplit('.', 1)[-1]}={v}",
+             lambda k, v: f"{k.rsplit('.', 1)[-1]}={cut(v)}"]
+    for form in forms:
+        labels = [", ".join([name, *(form(k, v) for k, v in row)]) for row in parts]
+        if len(set(labels)) == len(labels) and all(len(label) <= LABEL_WIDTH for label in labels):
+            return labels
+    return [", ".join([name, *(f"{k}={v}" for k, v in row)]) for row in parts]
 
 
 RECORD_KEYS = ("format", "scheme", "train_length", "protocol", "stride", "split", "seed", "config", "results")
@@ -172,6 +215,24 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+IDLE = (  # (option or option prefix, whether a config uses it): options a run without the other does not use
+    ("eval.passkey.", lambda c: "passkey" in (c["eval"].get("probes") or [])),
+    ("eval.context.", lambda c: "context" in (c["eval"].get("probes") or [])),
+    ("data.passkey_pairs", lambda c: (c["data"].get("passkey_rate") or 0) > 0),
+    ("data.copy_until", lambda c: (c["data"].get("copy_rate") or 0) > 0),
+    ("train.pose_chunks", lambda c: bool(c["train"].get("pose"))),
+    ("model.qk_norm_", lambda c: c["model"].get("qk_norm", "none") != "none"),
+    ("model.window_kind", lambda c: bool(c["model"].get("window"))),
+)
+
+
+def options(config: dict) -> dict:
+    """A record's config flattened (``{"train.lr": "0.002"}``, values as JSON text), without the options it does not
+    use (:data:`IDLE`: the passkey probe's options of a run that did not run it, …): what its numbers depend on."""
+    idle = tuple(prefix for prefix, used in IDLE if not used(config))
+    return {k: v for k, v in _flat(config).items() if not k.startswith(idle)}
+
+
 def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, list[str]], dict[str, dict]]:
     """How the records' configs differ (values as JSON text). Returns
 
@@ -188,7 +249,7 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     A scheme's options are keys of the records of that scheme only: a key's values are those of the records
     that have it.
     """
-    flats = [_flat(r["config"]) for r in records]  # upgraded configs: every key of the schema and of the scheme
+    flats = [options(r["config"]) for r in records]  # upgraded configs: every key of the schema and of the scheme
     keys = sorted(set().union(*flats))
     values = {k: sorted({f[k] for f in flats if k in f}) for k in keys}
     by_scheme, fine_tuned = defaultdict(list), set()  # by run label: rope and rope+yarn×16 are two rows

@@ -13,6 +13,7 @@ posbench/report/plots.py (:func:`_draw`).
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from pathlib import Path
 
@@ -89,8 +90,9 @@ def legend(sub: list[dict]) -> list[str]:
         lines += ["| row | " + " | ".join(f"`{k}`" for k in varying) + " |", "|---" * (len(varying) + 1) + "|",
                   *(f"| {label} | " + " | ".join(d.get(k, "–") for k in varying) + " |" for label, d in rows.items())]
     if shared:
-        lines += [*([""] if varying else []), ("Every row here has " if len(rows) > 1 else f"{next(iter(rows))}: ")
-                  + ", ".join(shared) + " (settings that differ between the reported runs)."]
+        lines += [*([""] if varying else []), ("The rows of this table share " if len(rows) > 1 else
+                                                f"{next(iter(rows))} has ") + ", ".join(shared)
+                  + " (runs in the report's other tables have other values)."]
     return lines
 
 
@@ -293,6 +295,14 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     return tables(rows, train_length), rows, images
 
 
+def _grouped(per_scheme: dict[str, dict]) -> dict[str, list[str]]:
+    """{scheme settings as JSON: the labels that have them}, in first-seen order: one line per distinct set."""
+    groups = {}
+    for name, vals in per_scheme.items():
+        groups.setdefault(json.dumps(vals), []).append(name)
+    return groups
+
+
 def render_markdown(records: list[dict], rows: list[dict], skipped: list[str], images: set[str], probe_cells: list[dict],
                     context_cells: list[dict]) -> str:
     """report.md's text, from what :func:`write_report` gathered (the records, their folded ``rows``, the ``skipped``
@@ -302,8 +312,8 @@ def render_markdown(records: list[dict], rows: list[dict], skipped: list[str], i
     names = {r["setting"]: r for r in rows}
     seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
-                ("Scheme settings", [f"{name}: " + ", ".join(f"`{k}` = {v}" for k, v in vals.items())
-                                     for name, vals in per_scheme.items()]),
+                ("Scheme settings", [", ".join(names) + ": " + ", ".join(f"`{k}` = {v}" for k, v in json.loads(vals).items())
+                                     for vals, names in _grouped(per_scheme).items()]),
                 ("Settings that differ but do not split rows (bookkeeping; evaluation settings are in the table titles)",
                  [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
                 ("Skipped", skipped)]
@@ -313,7 +323,7 @@ def render_markdown(records: list[dict], rows: list[dict], skipped: list[str], i
                if "ppl_vs_finetune" in images else "")
             + f"{len(records)} results from runs with seeds {seeds}. One table per evaluation setting; a row per scheme "
             "and per value of every other setting that differs between runs, labelled by its run label and, where rows "
-            "share one, the values that tell them apart (or `#1`, `#2` … when those are long); the settings that differ "
+            "share one, the values that tell them apart; the settings that differ "
             "between runs are in a table below each table. Each cell is the "
             "perplexity exp(mean NLL over seeds), NLL in nats/token, ± the standard deviation over seeds of the "
             "per-seed perplexity; ★ marks, in each column, the reference (the lowest mean NLL) and the cells not "
