@@ -68,6 +68,14 @@ def test_zero_steps_holds_the_parents_weights_tensor_by_tensor(run_cli, data_cac
     assert rec["config"]["scheme"]["original_length"] == 32  # a scaling scales from the parent's L
 
 
+def test_llama3_scaling_applies_to_a_parent_as_any_scaling(run_cli, data_cache, parents, tmp_path):
+    run = finetune(run_cli, data_cache, tmp_path / "ft", parents["rope"], "train.steps=0", "scheme.scaling=llama3",
+                   "scheme.factor=4", "scheme.high_freq_factor=1")
+    rec = record(run)
+    assert rec["label"] == "rope+llama3[1-1]×4 ft64×0"
+    assert rec["config"]["scheme"]["original_length"] == 32 and rec["config"]["scheme"]["low_freq_factor"] == 1.0
+
+
 def test_first_step_starts_from_the_parents_weights_with_a_fresh_optimizer(run_cli, data_cache, parents, tmp_path):
     """One step: Adam's state after it is that of step 1 from the parent's weights (its first moment is (1 − β1)
     times the gradient at the parent's weights, computed here), and the learning rate is the warmup's first."""

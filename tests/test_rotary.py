@@ -183,7 +183,8 @@ def test_original_length_resolves_to_the_train_length_when_a_method_is_chosen():
     assert resolved(scaling="linear", factor=4.0, original_length=128).original_length == 128
     fields = {f.name: f.default for f in dataclasses.fields(RoPE.Config)}
     assert fields == {"base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                      "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}
+                      "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "rotary_fraction": 1.0}
 
 
 @pytest.mark.parametrize("options, start", [
@@ -489,3 +490,40 @@ def test_labels_name_the_rotated_fraction_and_the_ramp():
     assert variant_label({"name": "rope", "rotary_fraction": 0.25, "scaling": "yarn", "factor": 4.0}) == "rope+partial0.25+yarn×4"
     assert variant_label({"name": "rope", "scaling": "yarn", "factor": 4.0, "yarn_ramp": "paper"}) == "rope+yarn_paper×4"
     assert variant_label({"name": "xpos", "scaling": "ntk", "factor": 2.0}) == "xpos+ntk×2"
+
+
+# ---- llama3: Llama 3.1's blend of kept and divided frequencies ----------------------------------------
+
+
+def llama3_frequency(i, s, L, low, high, base=10000.0, dh=DH):
+    """Pair i's frequency as HF transformers' ``_compute_llama3_parameters`` states it, by wavelength: kept below
+    L/high, divided by s above L/low, blended in between with smooth = (L/λ − low)/(high − low)."""
+    th = theta(i, base, dh)
+    wavelength = 2 * math.pi / th
+    if wavelength < L / high:
+        return th
+    if wavelength > L / low:
+        return th / s
+    if high == low:  # (λ = L/low exactly: HF's 0/0; the step keeps it)
+        return th
+    smooth = (L / wavelength - low) / (high - low)
+    return (1 - smooth) * th / s + smooth * th
+
+
+@pytest.mark.parametrize("s, L, low, high", [(8.0, 128, 1.0, 4.0), (4.0, 512, 1.0, 4.0), (16.0, 64, 2.0, 8.0),
+                                              (16.0, 128, 1.0, 1.0)])
+def test_llama3_blends_kept_and_divided_frequencies(s, L, low, high):
+    rope = scheme(scaling="llama3", factor=s, original_length=L, low_freq_factor=low, high_freq_factor=high)
+    want = [llama3_frequency(i, s, L, low, high) for i in range(DH // 2)]
+    assert 0 < sum(w == theta(i) for i, w in enumerate(want)) < DH // 2  # some pairs kept, some not: a real test
+    check_tables(rope, POSITIONS, lambda p, i: p * want[i])  # no attention factor
+
+
+def test_llama3_label_and_refusals():
+    assert scheme(scaling="llama3", factor=8.0, original_length=128).config.label() == "+llama3×8"
+    assert scheme(scaling="llama3", factor=16.0, original_length=128, high_freq_factor=1.0).config.label() == \
+        "+llama3[1-1]×16"
+    with pytest.raises(ValueError, match=r"^low_freq_factor=5.0: Llama 3's blend needs 0 < low_freq_factor <= "):
+        scheme(scaling="llama3", factor=8.0, original_length=128, low_freq_factor=5.0)
+    with pytest.raises(ValueError, match=r"^high_freq_factor=8.0 applies to scaling=llama3 only"):
+        scheme(scaling="yarn", factor=8.0, original_length=128, high_freq_factor=8.0)

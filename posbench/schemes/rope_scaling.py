@@ -6,8 +6,8 @@ A method maps a model trained at length L = ``original_length`` to windows up to
     inv_freq, attention_factor = SCALINGS[config.scaling](config, dim, pos)
 
 * ``config``: the rotary scheme's Config (``base``, ``factor``, ``original_length``, ``beta_fast``, ``beta_slow``,
-  ``yarn_ramp``); ``dim``: d, the number of rotated dimensions of a head (pairs (i, i + d/2), i < d/2);
-  ``pos``: (T,) int64, the positions of the forward pass (only dynamic NTK reads them).
+  ``yarn_ramp``, ``low_freq_factor``, ``high_freq_factor``); ``dim``: d, the number of rotated dimensions of a head
+  (pairs (i, i + d/2), i < d/2); ``pos``: (T,) int64, the positions of the forward pass (only dynamic NTK reads them).
 * ``inv_freq``: (d/2,) float64 on ``pos``'s device, the angle per position of each pair;
   ``attention_factor``: a float that multiplies cos and sin (so q·k by its square), YaRN's √(1/t).
 
@@ -94,4 +94,16 @@ def yarn_gamma(config, dim: int, theta: torch.Tensor) -> torch.Tensor:
     return 1 - ((i - lo) / (hi - lo)).clamp(0, 1)
 
 
-SCALINGS = {"none": none, "linear": linear, "ntk": ntk, "dynamic_ntk": dynamic_ntk, "yarn": yarn}
+def llama3(config, dim: int, pos: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Llama 3.1's scaling (Meta's Llama 3.1 release; HF transformers' ``rope_type: llama3``): by the rotations
+    r_i = L·θ_i/2π each pair turns over the train length L, with a = ``low_freq_factor``, b = ``high_freq_factor``,
+    a pair is kept (θ_i) when r_i > b, divided by s when r_i < a, and between them blended as
+    (1 − γ_i)·θ_i/s + γ_i·θ_i with γ_i = (r_i − a)/(b − a); no attention factor. a = b (Llama 4 Scout) is the step at
+    a: kept for r_i ≥ a, divided below."""
+    theta = frequencies(config.base, dim, pos.device)  # (d/2,)
+    r, a, b = config.original_length * theta / (2 * math.pi), config.low_freq_factor, config.high_freq_factor
+    gamma = ((r - a) / (b - a)).clamp(0, 1) if b > a else (r >= a).to(theta.dtype)  # (d/2,)
+    return (1 - gamma) * theta / config.factor + gamma * theta, 1.0
+
+
+SCALINGS = {"none": none, "linear": linear, "ntk": ntk, "dynamic_ntk": dynamic_ntk, "yarn": yarn, "llama3": llama3}

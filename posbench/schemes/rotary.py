@@ -53,13 +53,16 @@ class RotaryConfig(PositionalScheme.Config):
     """The options of every rotary scheme: the frequencies' base, and the context-extension method.
 
     base: θ of the frequencies θ_i = base^(−2i/d) (RoFormer uses 10000); must be > 0.
-    scaling: none | linear | ntk | dynamic_ntk | yarn, a context-extension method (posbench/schemes/rope_scaling.py).
+    scaling: none | linear | ntk | dynamic_ntk | yarn | llama3, a context-extension method
+        (posbench/schemes/rope_scaling.py).
     factor: the scaling factor s >= 1 (1 with scaling=none).
     beta_fast, beta_slow: YaRN's ramp ends β and α in rotations over the train length, 0 < α < β (32 and 1).
     original_length: the train length L the methods scale from; None fills to train.seq_len when a method is chosen
         (and stays None with scaling=none).
     yarn_ramp: reference (the YaRN code's and HF's ramp, linear in the pair index) or paper (the paper's §3.2 ramp,
-        linear in the rotation count)."""
+        linear in the rotation count).
+    low_freq_factor, high_freq_factor: Llama 3.1's blend ends a <= b in rotations over the train length (1 and 4;
+        Llama 4 Scout: 1 and 1); with scaling=llama3 only."""
 
     base: float = 10000.0
     scaling: str = "none"
@@ -68,6 +71,8 @@ class RotaryConfig(PositionalScheme.Config):
     beta_slow: float = 1.0
     original_length: Optional[int] = None
     yarn_ramp: str = "reference"
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
     def fill(self, seq_len: int) -> None:
         if self.original_length is None and self.scaling != "none":
@@ -90,12 +95,21 @@ class RotaryConfig(PositionalScheme.Config):
             raise ValueError(f"original_length={n!r}: the train length must be a positive integer")
         if self.yarn_ramp not in YARN_RAMPS:
             raise ValueError(f"yarn_ramp={self.yarn_ramp!r}: choose one of {', '.join(YARN_RAMPS)}")
+        a, b = self.low_freq_factor, self.high_freq_factor
+        if not is_number(a) or not is_number(b) or not 0 < a <= b:
+            raise ValueError(f"low_freq_factor={a!r}: Llama 3's blend needs 0 < low_freq_factor <= high_freq_factor "
+                             f"(high_freq_factor={b!r})")
+        if self.scaling != "llama3" and (a, b) != (1.0, 4.0):
+            key, value = ("low_freq_factor", a) if a != 1.0 else ("high_freq_factor", b)
+            raise ValueError(f"{key}={value!r} applies to scaling=llama3 only: choose that scaling, or drop the option")
 
     def label(self) -> str:
         if self.scaling == "none":
             return ""
         ramp = "_paper" if self.scaling == "yarn" and self.yarn_ramp == "paper" else ""
-        return f"+{self.scaling}{ramp}×{self.factor:g}"  # rope+yarn×16, rope+yarn_paper×16
+        if self.scaling == "llama3" and (self.low_freq_factor, self.high_freq_factor) != (1.0, 4.0):
+            ramp = f"[{self.low_freq_factor:g}-{self.high_freq_factor:g}]"  # rope+llama3[1-1]×16
+        return f"+{self.scaling}{ramp}×{self.factor:g}"  # rope+yarn×16, rope+yarn_paper×16, rope+llama3×8
 
 
 class _Rotary(PositionalScheme):
@@ -103,8 +117,9 @@ class _Rotary(PositionalScheme):
     Raises ValueError when a method is chosen but ``original_length`` was never filled with the train length."""
 
     Config = RotaryConfig
-    fine_tune_options = ("base", "scaling", "factor", "beta_fast", "beta_slow", "original_length", "yarn_ramp")  # the
-    # context-extension methods: a new base (Xiong et al. 2023's ABF), PI, NTK, YaRN
+    fine_tune_options = ("base", "scaling", "factor", "beta_fast", "beta_slow", "original_length", "yarn_ramp",
+                         "low_freq_factor", "high_freq_factor")  # the context-extension methods: a new base
+    # (Xiong et al. 2023's ABF), PI, NTK, YaRN, Llama 3's
 
     def __init__(self, d_model, n_head, config=None):
         super().__init__(d_model, n_head, config)
