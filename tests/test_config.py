@@ -102,7 +102,8 @@ def test_learned_16k_is_the_learned_scheme_with_16k_rows(hydra_ctx):
 
 @pytest.mark.parametrize("scheme, expected", [
     ("rope", {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-              "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}),
+              "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "rotary_fraction": 1.0}),
     ("sinusoidal", {"name": "sinusoidal", "base": 10000.0}),
     ("learned", {"name": "learned", "max_positions": 16 * 128}), ("alibi", {"name": "alibi"}), ("nope", {"name": "nope"}),
 ])

@@ -331,7 +331,8 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(reevalu
     assert scaled["scheme_overrides"] == {"scaling": "linear", "factor": 4.0, "original_length": 32}
     assert scaled["config"]["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "linear", "factor": 4.0,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32,
-                                          "yarn_ramp": "reference", "rotary_fraction": 1.0}
+                                          "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "rotary_fraction": 1.0}
     assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
     assert all(a != b for a, b in zip(ppls(folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").values(),
                                       ppls(folder / "results.json").values()))

@@ -21,7 +21,8 @@ from posbench.cli import register
 from posbench.config import ConfigError
 
 ROPE = {"name": "rope", "base": 500.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 0.5}
+        "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rotary_fraction": 0.5}
 
 
 def parent(scheme: dict, seq_len: int) -> lineage.Parent:

@@ -378,7 +378,7 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
         {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "original_length": None,
-         "yarn_ramp": "reference", "rotary_fraction": 1.0}]
+         "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rotary_fraction": 1.0}]
     table_text, _, _ = render.write_report([root], root)
     assert table_rows(table_text) == ["alibi", "learned", "rope"], table_text
     md = (root / "report.md").read_text()

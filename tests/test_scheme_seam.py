@@ -121,7 +121,7 @@ def test_hydra_composes_the_toy_with_its_option(toy):
     (["scheme=toy", "scheme.gamma=2"], "scheme.gamma=2.0: the toy bias needs 0 < gamma <= 1"),
     (["scheme=toy", "scheme.gama=0.25"], "scheme.gama is not an option of the toy scheme; its options: gamma"),
     (["scheme=rope", "scheme.gamma=0.25"], "scheme.gamma is not an option of the rope scheme; its options: base, scaling, "
-     "factor, beta_fast, beta_slow, original_length, yarn_ramp, rotary_fraction"),
+     "factor, beta_fast, beta_slow, original_length, yarn_ramp, low_freq_factor, high_freq_factor, rotary_fraction"),
 ])
 def test_the_cli_refuses_a_bad_or_misspelt_option_in_one_line(toy, capsys, overrides, message):
     with pytest.raises(SystemExit) as info:
@@ -159,14 +159,16 @@ def test_an_old_scheme_section_keeps_the_scheme_s_own_keys():
     for fmt in (1, 2):
         assert upgrade({"scheme": old}, fmt)["scheme"] == {
             "name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}
+            "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rotary_fraction": 1.0}
     assert upgrade({"scheme": {"name": "learned", "base": 10000.0, "max_positions": 96}}, 2)["scheme"] == {
         "name": "learned", "max_positions": 96}
     assert upgrade({"scheme": {"name": "alibi", "base": 500.0}}, 2)["scheme"] == {"name": "alibi"}
     assert upgrade({"scheme": {"name": "sinusoidal"}}, 3)["scheme"] == {"name": "sinusoidal", "base": 10000.0}
     assert upgrade({}, 3)["scheme"] == {  # a missing key reads as its default
         "name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}
+        "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rotary_fraction": 1.0}
     with pytest.raises(ConfigError, match="max_positions"):
         upgrade({"scheme": old}, 3)  # format 3 records a scheme's own keys only
     with pytest.raises(ConfigError, match="noscheme"):
@@ -174,7 +176,8 @@ def test_an_old_scheme_section_keeps_the_scheme_s_own_keys():
 
 
 DEFAULTS = {"rope": {"scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,  # a scheme's options that
-                     "original_length": None, "yarn_ramp": "reference", "rotary_fraction": 1.0}}  # old formats never recorded
+                     "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "rotary_fraction": 1.0}}  # old formats never recorded
 OWN = {"rope": {"base": 500.0}, "sinusoidal": {"base": 500.0}, "learned": {"max_positions": 40}, "alibi": {}}
 
 
