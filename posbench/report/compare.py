@@ -299,7 +299,8 @@ def _preference(group: tuple, n_records: int) -> tuple:
 def fold(records: list[dict]) -> list[dict]:
     """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order, settings in row order.
     Each row: ``table``, ``setting``, ``label`` and ``differs`` (:func:`_dedupe`), the evaluation settings, ``length``,
-    and :func:`posbench.report.stats.summary` and :func:`posbench.report.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
+    its run's training (:func:`_budget`: ``train_length``, ``origin_length``, ``method``, tokens), and
+    :func:`posbench.report.stats.summary` and :func:`posbench.report.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
     over seeds) (perplexity), ``ppl_std`` (std over seeds of the per-seed perplexity), ``nll_mean``/``nll_std``
     (nats/token), ``seeds``, ``best`` and the test against the best row of its table at that length
     (``reference``/``reference_label``: that row's setting and label; ``test``: welch | bootstrap | n/a | best,
@@ -334,11 +335,13 @@ def fold(records: list[dict]) -> list[dict]:
 
 
 def _budget(rec: dict) -> dict:
-    """A record's training budget: ``train_tokens`` (its own), and for a fine-tuned run its ``method`` (its label
-    without the step count: ``rope+yarn×4 ft512``), ``total_train_tokens`` (its parent's line's + its own) and
+    """A record's training: ``train_length`` (its own train length ``train.seq_len``, tokens), ``origin_length``
+    (:func:`origin_length`: its line's first), ``train_tokens`` (its own), and for a fine-tuned run its ``method`` (its
+    label without the step count: ``rope+yarn×4 ft512``), ``total_train_tokens`` (its parent's line's + its own) and
     ``parent`` (the parent's run folder, resolved)."""
     lineage = rec.get("lineage")
-    return {"train_tokens": rec.get("train_tokens"), "total_train_tokens": rec.get("total_train_tokens"),
+    return {"train_length": rec["config"]["train"]["seq_len"], "origin_length": origin_length(rec),
+            "train_tokens": rec.get("train_tokens"), "total_train_tokens": rec.get("total_train_tokens"),
             "method": run_label(rec["config"], lineage, steps=False) if lineage else None,
             "parent": str(Path(lineage["folder"]).resolve()) if lineage and lineage.get("folder") else None}
 
@@ -382,8 +385,13 @@ def finetune_parents(rows: list[dict]) -> dict[str, float]:
 
 def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[tuple[str, int], tuple[list, list]]:
     """{(setting, longest length): (bin centres, NLL)} of one table's evaluation setting: each setting's NLL by token
-    position (nats/token, 1-based bin centres) at its longest evaluation length, mean over seeds."""
+    position (nats/token, 1-based bin centres) at its longest evaluation length T, mean over seeds.
+
+    Under the sliding protocol (stride S) only the first window scores positions before T − S (0-based), so only the
+    bins reaching T − S are kept, each centred on its part from T − S: positions every window scores. A bin that
+    straddles T − S still averages its first window's earlier positions in, one window against all the others'."""
     group = next(r["eval_settings"] for r in rows if r["table"] == table)
+    protocol, stride = group[:2]
     runs = defaultdict(list)
     for rec in records:
         if eval_settings(rec) == group:
@@ -391,9 +399,10 @@ def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[t
             runs[(rec["order"], rec["setting"], longest["length"])].append(longest["nll_by_position"])
     curves = {}
     for (_, setting, length), by_position in sorted(runs.items()):
-        edges = by_position[0]["position"]
-        xs = [(a + b + 1) / 2 for a, b in zip(edges, [*edges[1:], length])]  # bin centres, 1-based positions
-        curves[setting, length] = (xs, [statistics.fmean(v) for v in zip(*(r["nll"] for r in by_position))])
+        edges, first = by_position[0]["position"], length - stride if protocol == "sliding" else 0
+        bins = [(i, max(a, first), b) for i, (a, b) in enumerate(zip(edges, [*edges[1:], length])) if b > first]
+        curves[setting, length] = ([(a + b + 1) / 2 for _, a, b in bins],  # bin centres, 1-based positions
+                                   [statistics.fmean(r["nll"][i] for r in by_position) for i, _, _ in bins])
     return curves
 
 

@@ -4,7 +4,7 @@ posbench/report/render.py calls the functions here):
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands, a
   panel per evaluation setting (the report's tables);
 * ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds, a panel per
-  evaluation setting;
+  evaluation setting; under the sliding protocol only the positions every window scores (its x label says which);
 * ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
   evaluation length against fine-tuning tokens, one line per method;
 * ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (:func:`draw_passkey`, when runs were probed) — retrieval
@@ -14,14 +14,17 @@ posbench/report/render.py calls the functions here):
 * ``context_vs_length.png`` (:func:`draw_context`, when runs measured context use) — the mean NLL difference past L
   (whole window − sliding window of L) against evaluation length, with its bootstrap interval.
 
-Every plot names its rows by their short labels (posbench/report/compare.py ``labels``: ``alibi #2``; report.md's legend
-tables give their settings), gives each row one colour in every plot, and puts its legend below the axes, never over
-them. The first two mark the train length L. matplotlib is imported when a plot is drawn, so the rest of posbench
-starts without it.
+Every plot names its rows by their short labels (posbench/report/compare.py ``labels``: ``rope, base=500.0``; report.md's
+legend tables give their settings), gives each row one colour in every plot, and puts its legend below the axes, never over
+them. Every log axis prints plain numbers (``2400``, ``0.5``; ``2.5e6`` from a million on), its minor ticks labelled only
+where they do not crowd. A perplexity axis spans at least a factor :data:`MIN_SPAN`, so a small change looks small. The
+first two mark in each panel the train lengths of its runs (a fine-tuned run's own and its line's first L), each value
+written at its line. matplotlib is imported when a plot is drawn, so the rest of posbench starts without it.
 """
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
@@ -29,6 +32,7 @@ WIDTH = 7.2  # figure width, inches
 PANEL = 2.9  # height of one panel, inches
 FONT = 8  # legend and tick-label size, points
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h")  # hollow, one per row (cycled)
+MIN_SPAN = 1.2  # the least ratio of a perplexity axis's upper to lower limit
 
 
 def _pyplot():
@@ -69,7 +73,9 @@ def _figure(plt, panels: int, entries: int = 0, longest: int = 1, columns: int =
 
 
 def _save(plt, fig, path: Path, handles: list) -> Path:
-    """``handles`` as one legend below the axes, ``path`` at 110 dpi; the figure closed."""
+    """``handles`` as one legend below the axes, plain tick labels (:func:`_plain_ticks`), ``path`` at 110 dpi; the
+    figure closed."""
+    _plain_ticks(fig)
     columns, _ = _legend_rows(len(handles), max((len(h.get_label()) for h in handles), default=1))
     fig.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=FONT)
     fig.savefig(path, dpi=110)
@@ -77,29 +83,65 @@ def _save(plt, fig, path: Path, handles: list) -> Path:
     return path
 
 
-def _handles(styles: list[dict], train_length: int | None = None) -> list:
-    """Legend entries: one line per style (its colour, line style, marker and label), and the train length's dashed
-    grey line."""
+def _plain(x: float) -> str:
+    """A tick value as a plain number: ``2400``, ``0.125``; ``2.5e6`` from a million on."""
+    if x < 1e6:
+        return f"{x:.6g}"
+    mantissa, exponent = f"{x:.3g}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _plain_ticks(fig) -> None:
+    """Every log axis of ``fig`` labelled in plain numbers (:func:`_plain`), major and minor ticks; which minor ticks
+    get a label is matplotlib's LogFormatter's choice, so the labels do not crowd: all of them across less than 0.4 of a
+    decade, those at 2, 3, 4 and 6 (× a power of the base) while at most one power of the base is in view, none once
+    two are."""
+    from matplotlib.ticker import LogFormatter  # (matplotlib: imported only where a plot is drawn)
+
+    class Plain(LogFormatter):
+        def __call__(self, x, pos=None):
+            return _plain(x) if super().__call__(x, pos) else ""
+
+    for axis in (a for ax in fig.axes for a in (ax.xaxis, ax.yaxis) if a.get_scale() == "log"):
+        axis.set_major_formatter(Plain(axis.get_transform().base))
+        axis.set_minor_formatter(Plain(axis.get_transform().base))
+
+
+def _min_span(ax, values: list[float]) -> None:
+    """Widen the perplexity axis of ``ax`` when ``values`` (what it draws, all > 0) span less than a factor
+    :data:`MIN_SPAN`: its limits become √(min·max) divided and multiplied by √MIN_SPAN, a factor MIN_SPAN apart and
+    centred geometrically on the values, so a change of 0.4% is a small step rather than the panel's height."""
+    low, high = min(values), max(values)
+    if high < MIN_SPAN * low:
+        middle, half = math.sqrt(low * high), math.sqrt(MIN_SPAN)
+        ax.set_ylim(middle / half, middle * half)
+
+
+def _handles(styles: list[dict], marked: bool = False) -> list:
+    """Legend entries: one line per style (its colour, line style, marker and label), and, when ``marked``, the
+    train lengths' dashed grey line."""
     from matplotlib.lines import Line2D  # (matplotlib: imported only where a plot is drawn)
 
     return ([Line2D([], [], **style) for style in styles]
-            + ([Line2D([], [], color="grey", linestyle="--", label=f"L = {train_length}")] if train_length else []))
+            + ([Line2D([], [], color="grey", linestyle="--", label="train length L (value at the line)")] if marked else []))
 
 
 def _title(text: str, width: int = 95) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def draw(out: Path, train_length: int, tables: list[tuple[str, list[dict], dict]], labels: dict[str, str]) -> dict[str, Path]:
+def draw(out: Path, tables: list[tuple[str, list[dict], dict]], labels: dict[str, str]) -> dict[str, Path]:
     """Write ``ppl_vs_length.png`` and ``loss_vs_position.png`` into ``out``, a panel per evaluation setting; return
     their paths.
 
     Args:
-        train_length: L, marked by a vertical line.
         tables: one (title, rows, curves) per evaluation setting, in the report's table order: ``title`` the setting in
             words (``1. nonoverlapping, validation split, …``); ``rows`` its rows (``posbench.report.compare.fold``'s), each
-            with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band; ``curves``
-            {(setting, length): (1-based positions, NLL in nats/token)}: a line each.
+            with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band (the perplexity
+            axis spans at least a factor :data:`MIN_SPAN`: :func:`_min_span`), ``train_length`` and ``origin_length``
+            (tokens): a vertical line at each, its value written at it, and ``protocol``, ``stride`` and ``lengths``;
+            ``curves`` {(setting, length): (1-based positions, NLL in nats/token)}: a line each
+            (``posbench.report.compare.position_curves``: under the sliding protocol, the positions every window scores).
         labels: {setting: short label} of every row, in the order that gives each its colour.
     """
     plt = _pyplot()
@@ -113,31 +155,44 @@ def draw(out: Path, train_length: int, tables: list[tuple[str, list[dict], dict]
             ax.plot(xs, ys, **style[setting])
             ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
                             color=style[setting]["color"])
-        low, high = min(r["ppl"] for r in rows), max(r["ppl"] for r in rows)
-        if low == high:  # one value in the panel: a range around it (a log axis cannot span nothing)
-            ax.set_ylim(low / 1.25, high * 1.25)
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
-        _panel(ax, train_length, title, "evaluation length (tokens)", "perplexity")
+        _min_span(ax, [v for r in rows for v in (r["ppl"] - r["ppl_std"], r["ppl"], r["ppl"] + r["ppl_std"]) if v > 0])
+        _panel(ax, rows, title, "evaluation length (tokens)", "perplexity")
     fig.suptitle("Perplexity (exp mean NLL over seeds) vs evaluation length", fontsize=10)
-    _save(plt, fig, out / "ppl_vs_length.png", _handles([style[s] for s in shown], train_length))
+    _save(plt, fig, out / "ppl_vs_length.png", _handles([style[s] for s in shown], marked=True))
 
     fig, axes = _figure(plt, len(tables), len(shown) + 1, longest)
-    for ax, (title, _, curves) in zip(axes, tables):
+    for ax, (title, rows, curves) in zip(axes, tables):
         for (setting, length), (xs, ys) in curves.items():
             ax.plot(xs, ys, markevery=max(1, len(xs) // 8), **{**style[setting], "label": f"{labels[setting]} ({length})"})
         ax.set_xscale("log")
-        _panel(ax, train_length, title, "token position in the window (1-based)", "NLL (nats/token)")
+        _panel(ax, rows, title, _positions(rows[0]), "NLL (nats/token)")
     fig.suptitle("Loss by position at each setting's longest evaluation length (mean over seeds)", fontsize=10)
-    _save(plt, fig, out / "loss_vs_position.png", _handles([style[s] for s in shown], train_length))
+    _save(plt, fig, out / "loss_vs_position.png", _handles([style[s] for s in shown], marked=True))
     return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
 
 
-def _panel(ax, train_length: int, title: str, xlabel: str, ylabel: str) -> None:
-    ax.axvline(train_length, color="grey", linestyle="--")
+def _positions(row: dict) -> str:
+    """The x label of a loss-by-position panel of ``row``'s table: which positions it draws."""
+    if row["protocol"] != "sliding":
+        return "token position in the window (1-based)"
+    length, stride = max(row["lengths"]), row["stride"]
+    return (f"token position in the window (1-based), only those every window scores: ≥ T − S + 1 = "
+            f"{length - stride + 1} (T = {length}, stride S = {stride})")
+
+
+def _panel(ax, rows: list[dict], title: str, xlabel: str, ylabel: str) -> None:
+    """Label a panel and mark the train lengths of its ``rows`` (``train_length``, ``origin_length``, tokens): a dashed
+    grey vertical line at each, ``L = 512`` written along it on a pale box (readable over the lines)."""
+    for length in sorted({r[key] for r in rows for key in ("train_length", "origin_length")}):
+        ax.axvline(length, color="grey", linestyle="--")
+        ax.annotate(f"L = {length}", (length, 1), xycoords=ax.get_xaxis_transform(), xytext=(2, -3),
+                    textcoords="offset points", rotation=90, ha="left", va="top", fontsize=FONT - 1, color="0.3",
+                    bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlabel(xlabel, fontsize=FONT)
     ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.tick_params(labelsize=FONT)
+    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title(_title(title), fontsize=FONT + 1)
 
 
@@ -145,7 +200,8 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict
                   title: str) -> Path:
     """Write ``ppl_vs_finetune.png``: for each method (``rope+yarn×4 ft512``), perplexity at evaluation length
     ``length`` against its fine-tuning tokens (0: the method applied to the parent's weights), and each parent's
-    perplexity there (``parents``: {label: perplexity}) as a dotted horizontal line; return its path."""
+    perplexity there (``parents``: {label: perplexity}) as a dotted horizontal line, the axis spanning at least a
+    factor :data:`MIN_SPAN`; return its path."""
     plt = _pyplot()
     import matplotlib.ticker  # (plain numbers on the axis)
 
@@ -159,9 +215,10 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict
                        "label": names[len(series) + i]})
         ax.axhline(ppl, **styles[-1])
     ax.set_xlim(left=-0.04 * max(max(xs, default=0) for xs, _ in series.values()) or None)  # from 0 fine-tuning tokens
+    _min_span(ax, [*(y for _, ys in series.values() for y in ys), *parents.values()])
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.tick_params(labelsize=FONT)
+    ax.tick_params(which="both", labelsize=FONT)
     ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}")
     ax.set_title(_title(f"Perplexity at {length} tokens vs fine-tuning budget. {title}"), fontsize=FONT + 1)
     return _save(plt, fig, out / "ppl_vs_finetune.png", _handles(styles))
@@ -185,7 +242,7 @@ def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[
     ax.axvline(1.0, color="grey", linestyle="--")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
-    ax.tick_params(labelsize=FONT)
+    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title(_title(f"Passkey retrieval vs distance. {title}"), fontsize=FONT + 1)
     from matplotlib.lines import Line2D  # (matplotlib: imported only where a plot is drawn)
 
@@ -211,7 +268,8 @@ def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], tr
                  labels: dict[str, str]) -> Path:
     """Write ``context_vs_length.png``: per row (``series``: {setting: (lengths, diff, ci_low, ci_high)}), the mean
     NLL_full − NLL_short past L (nats/token) against evaluation length (log2 x), error bars its 95% interval, a
-    horizontal line at 0 (the context beyond L unused); return its path. ``labels``: as :func:`draw`'s."""
+    horizontal line at 0 (the context beyond L unused); the title says what NLL_full and NLL_short are, so that the
+    y label is short enough to fit; return its path. ``labels``: as :func:`draw`'s."""
     plt = _pyplot()
     style = _styles(labels)
     fig, (ax,) = _figure(plt, 1, len(series), max(len(labels[s]) for s in series))
@@ -220,9 +278,12 @@ def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], tr
                     **style[setting])
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="evaluation length T (tokens)", ylabel="NLL whole window − NLL last ≤ L tokens (nats/token)")
-    ax.tick_params(labelsize=FONT)
-    ax.set_title(f"Context use past L = {train_length} (negative: uses context beyond L)", fontsize=FONT + 1)
+    ax.set_xlabel("evaluation length T (tokens)", fontsize=FONT)
+    ax.set_ylabel("NLL_full − NLL_short (nats/token)", fontsize=FONT)
+    ax.tick_params(which="both", labelsize=FONT)
+    ax.set_title(_title(f"Context use past L = {train_length}: mean NLL_full − NLL_short of the tokens at positions ≥ L, "
+                        "NLL_full with the whole window before each token as context, NLL_short with at most the last L "
+                        "tokens (negative: the model uses context beyond L)"), fontsize=FONT + 1)
     return _save(plt, fig, out / "context_vs_length.png", _handles([style[s] for s in series]))
 
 
@@ -244,6 +305,6 @@ def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]]
                                linestyle="-" if length == lengths[0] else "--", label=names[setting, length])
     ax.set_xscale("log")
     ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
-    ax.tick_params(labelsize=FONT)
+    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title("Passkey retrieval during training (solid: at L, dashed: longest probe length)", fontsize=FONT + 1)
     return _save(plt, fig, out / "passkey_vs_tokens.png", handles)

@@ -247,13 +247,13 @@ def _write_csv(path: Path, columns: list[str], rows) -> None:
         w.writerows(rows)
 
 
-def _draw(out: Path, records: list[dict], rows: list[dict], train_length: int, context_cells: list[dict]) -> dict[str, Path]:
+def _draw(out: Path, records: list[dict], rows: list[dict], context_cells: list[dict]) -> dict[str, Path]:
     """Every plot of the report into ``out`` (posbench/report/plots.py); return {name: path}."""
     labels = compare.labels(records)
     numbers = sorted({r["table"] for r in rows})
     panels = [(f"{n}. {table_title(next(r for r in rows if r['table'] == n))}", [r for r in rows if r["table"] == n],
                compare.position_curves(records, rows, n)) for n in numbers]
-    images = plots.draw(out, train_length, panels, labels)
+    images = plots.draw(out, panels, labels)
     probes = retrieval.groups(records)
     if probes:
         first = next(iter(probes.values()))
@@ -290,7 +290,7 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
         _write_csv(out / "passkey.csv", PASSKEY_COLUMNS, ({**c, "label": names[c["setting"]]["label"]} for c in probe_cells))
     if context_cells:
         _write_csv(out / "context.csv", CONTEXT_COLUMNS, ({**c, "label": names[c["setting"]]["label"]} for c in context_cells))
-    images = _draw(out, records, rows, train_length, context_cells)
+    images = _draw(out, records, rows, context_cells)
     (out / "report.md").write_text(render_markdown(records, rows, skipped, set(images), probe_cells, context_cells))
     return tables(rows, train_length), rows, images
 
