@@ -8,7 +8,7 @@ The new run's model starts from the parent's weights; its optimizer, schedule an
 the parent's scheme, with the parent's options, the parent's train length L and its layers (a hybrid model's
 pattern, window, global scheme, QK-norm and sinks), unless the command line or a preset gives them
 (:func:`inherited`: posbench/jobs.py puts it into Hydra's composition), and the parent's evaluation lengths when
-none are given and they reach the new L (:func:`inherit`: the report puts the run beside its parent, in the table of
+none are given and they fit the new run (:func:`inherit`: the report puts the run beside its parent, in the table of
 those lengths); its other ``train.*`` and ``eval.*`` options are its own, and the options that differ from the
 parent's are logged when it starts
 (:func:`differences`). The rules (docs/design.md §5.6), each checked by :func:`check_config` and :func:`check`
@@ -17,7 +17,8 @@ before anything is written:
 * every weight outside the scheme fits exactly: the same ``model.*`` sizes (dropout and attention dropout may
   differ), vocabulary and tokenizer (the tokenizer file's SHA-256);
 * the scheme keeps its name, and its options are the parent's except those its class lists as
-  ``fine_tune_options`` (RoPE's ``base``, ``scaling``, ``factor``, ``original_length``, YaRN's ramp; the learned
+  ``fine_tune_options`` (RoPE's ``base``, ``scaling``, ``factor``, ``original_length``, YaRN's ramp, Llama 3's two
+  factors; the learned
   table's size, which may grow: ``init_rows``); or it changes as :data:`SCHEME_CHANGES` allows: RoPE → NoPE,
   positions dropped after pretraining and recalibrated ("DroPE", 2025);
 * a scheme given by name (``scheme=<the parent's>``) starts from its defaults: options left unset (None) take the
@@ -139,12 +140,12 @@ def full_section(section: dict | None) -> dict | None:
 
 def inherit(cfg: DictConfig, parent: Parent) -> None:
     """Fill what ``cfg`` left unset from the parent: ``eval.lengths`` (None) with the parent's evaluation lengths
-    when the longest reaches the new run's L (a run fine-tuned at 512 from a run evaluated at 128 … 2048 is evaluated
+    when they fit the new run (:func:`_fit`: a run fine-tuned at 512 from a run evaluated at 128 … 2048 is evaluated
     at 128 … 2048, beside its parent; otherwise None: L … 16L of its own L), and, when the scheme keeps its name, the
     options of ``cfg.scheme`` left unset (None) with the parent's resolved values (a learned table keeps the
     parent's ``max_positions``)."""
     lengths = parent.state["config"]["eval"].get("lengths")
-    if cfg.eval.lengths is None and lengths and max(lengths) >= cfg.train.seq_len:
+    if cfg.eval.lengths is None and lengths and _fit(cfg, lengths):
         cfg.eval.lengths = list(lengths)
     if cfg.scheme.name != parent.scheme["name"]:
         return
@@ -152,6 +153,16 @@ def inherit(cfg: DictConfig, parent: Parent) -> None:
         for key, value in parent.scheme.items():
             if key in cfg.scheme and cfg.scheme[key] is None:
                 cfg.scheme[key] = value
+
+
+def _fit(cfg: DictConfig, lengths: list[int]) -> bool:
+    """Whether evaluation ``lengths`` taken from a parent serve the run ``cfg``: one of them is past its L (else the
+    run would never be evaluated past L), the sliding stride (if given) fits the shortest, and the context probe's
+    stride (if it runs; default L // 8) divides T − L at every length T past L (posbench/context.py's rule)."""
+    L, e = cfg.train.seq_len, cfg.eval
+    stride = e.context.stride or max(1, L // 8)
+    return (max(lengths) > L and (e.protocol != "sliding" or e.stride is None or e.stride <= min(lengths))
+            and ("context" not in (e.probes or []) or all((T - L) % stride == 0 for T in lengths if T > L)))
 
 
 def check_config(cfg: DictConfig, parent: Parent) -> None:

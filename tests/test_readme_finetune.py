@@ -14,8 +14,10 @@ import shlex
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from helpers import ok
+from posbench import lineage
 from posbench.report import compare
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -82,3 +84,18 @@ def test_finetune_keeps_given_lengths_and_its_own_past_the_parents(parent_and_fi
     ok(run_cli("train", f"init_from={short}", "train.seq_len=256", "train.steps=0", "eval.max_tokens=4096",
                "wandb.enabled=false", cache, f"hydra.run.dir={beyond}", cwd=cwd))
     assert lengths_of(beyond) == [256 * 2 ** k for k in range(5)]
+
+
+@pytest.mark.parametrize("L, protocol, stride, probes, context_stride, fits", [
+    (512, "nonoverlapping", None, [], None, True),  # 1024 and 2048 past L
+    (2048, "nonoverlapping", None, [], None, False),  # none past L: its own L … 16L
+    (512, "sliding", 64, [], None, True),
+    (512, "sliding", 256, [], None, False),  # a stride past the shortest length, 128
+    (512, "nonoverlapping", None, ["context"], None, True),  # L // 8 = 64 divides 512 and 1536
+    (384, "nonoverlapping", None, ["context"], None, False),  # 48 does not divide 2048 − 384 = 1664
+    (384, "nonoverlapping", None, ["context"], 128, True),  # 128 divides 128, 640 and 1664
+])
+def test_a_parents_lengths_are_taken_only_where_they_fit(L, protocol, stride, probes, context_stride, fits):
+    cfg = OmegaConf.create({"train": {"seq_len": L}, "eval": {"protocol": protocol, "stride": stride, "probes": probes,
+                                                             "context": {"stride": context_stride}}})
+    assert lineage._fit(cfg, [128, 256, 512, 1024, 2048]) is fits

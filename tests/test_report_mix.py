@@ -192,19 +192,40 @@ def test_the_fixture_holds_records_only():
 
 
 def test_report_text_lists_no_unused_option_and_each_scheme_setting_once(mix_report):
-    """Issue 39 item 8: no run here ran the context probe, copied or trained with several passkey pairs, so none of
-    those options is listed; the passkey probe's options are not 'held fixed' when most runs never ran it; the
-    rows' scheme settings come as one line per distinct set (2 here: RoPE as it is, and with YaRN ×4)."""
+    """Issue 39 item 8: no run here ran the context probe, copied, or trained with PoSE or QK-norm, so none of those
+    options is listed; the passkey probe's options and the needles' pairs are held fixed over the runs that use them
+    (the probed runs, the run trained with needles) and say so; YaRN's options are listed for the YaRN rows only, and
+    Llama 3's for none; the rows' scheme settings come as one line per distinct set (2 here: RoPE as it is, and
+    with YaRN ×4)."""
     _, _, out = mix_report
     md = (out / "report.md").read_text()
-    for key in ("eval.context.", "data.copy_until", "data.passkey_pairs", "model.qk_norm_layers", "train.pose_chunks"):
+    for key in ("eval.context.", "data.copy_until", "model.qk_norm_layers", "train.pose_chunks", "scheme.low_freq_factor"):
         assert f"`{key}" not in md, key
     fixed = md.split("## Settings held fixed")[1].split("## ")[0]
-    assert "eval.passkey." not in fixed, fixed
+    assert "- `data.passkey_pairs` = 1 (the runs that use it)\n" in fixed, fixed
+    assert "- `eval.passkey.trials` = 4 (the runs that use it)\n" in fixed, fixed  # the unprobed run's 20 is not used
+    assert "- `data.copy_rate` = 0.0\n" in fixed, fixed  # every run uses it: no note
     schemes = md.split("## Scheme settings")[1].split("## ")[0].strip().splitlines()
     assert len(schemes) == 2, schemes
-    assert schemes[1].startswith("- rope+yarn×4 ft512×50, rope (yarn×4 at eval): `scheme.base` = 10000.0"), schemes
+    assert schemes[0].startswith("- rope ft512×0, ") and "beta_fast" not in schemes[0] and "yarn_ramp" not in schemes[0]
+    assert schemes[1].startswith("- rope+yarn×4 ft512×50, rope (yarn×4 at eval): `scheme.base` = 10000.0, "
+                                 "`scheme.beta_fast` = 32.0"), schemes
     assert "Every row here has" not in md and "(settings that differ between the reported runs)" not in md
+
+
+def test_a_reevaluation_names_the_run_it_was_applied_to():
+    """Issue 39 item 8: ``posbench eval`` of a run with other scheme options is labelled by that run's label and what
+    the options add (``rope (yarn×4 at eval)``), or the whole new variant where it does not extend the trained one."""
+    def label(trained: dict, new: dict) -> str:
+        run = [{"path": "r/results.json", "config": {"scheme": trained, "train": {}}},
+               {"path": "r/eval-x.json", "config": {"scheme": new, "train": {}}, "scheme_overrides": {"factor": 1}}]
+        compare._mark_reevaluations(run)
+        return compare.label_of(run[1])
+
+    rope, yarn2 = {"name": "rope"}, {"name": "rope", "scaling": "yarn", "factor": 2.0}
+    assert label(rope, {**yarn2, "factor": 4.0}) == "rope (yarn×4 at eval)"
+    assert label(yarn2, {**yarn2, "factor": 2.5}) == "rope+yarn×2 (rope+yarn×2.5 at eval)"
+    assert label(yarn2, rope) == "rope+yarn×2 (rope at eval)"
 
 
 def test_rows_sharing_a_run_label_are_told_apart_by_their_values_never_by_number():

@@ -525,5 +525,7 @@ def test_llama3_label_and_refusals():
         "+llama3[1-1]×16"
     with pytest.raises(ValueError, match=r"^low_freq_factor=5.0: Llama 3's blend needs 0 < low_freq_factor <= "):
         scheme(scaling="llama3", factor=8.0, original_length=128, low_freq_factor=5.0)
-    with pytest.raises(ValueError, match=r"^high_freq_factor=8.0 applies to scaling=llama3 only"):
-        scheme(scaling="yarn", factor=8.0, original_length=128, high_freq_factor=8.0)
+    yarn = scheme(scaling="yarn", factor=8.0, original_length=128, high_freq_factor=1.0)  # carried, unused
+    assert_close(yarn.rotation(torch.tensor(POSITIONS), torch.float64)[0],
+                 scheme(scaling="yarn", factor=8.0, original_length=128).rotation(torch.tensor(POSITIONS), torch.float64)[0],
+                 rtol=0, atol=0)

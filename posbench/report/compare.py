@@ -17,6 +17,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from posbench.config_checks import NEEDLE_FORMAT
 from posbench.report import stats
 from posbench.results import READABLE, SUPERSEDED, run_label
 from posbench.schemes import variant_label
@@ -98,12 +99,13 @@ def origin_length(rec: dict) -> int:
 def _mark_reevaluations(run: list[dict]) -> None:
     """Set ``applied`` on each record of one run folder that ``posbench eval`` made with other scheme options
     (``scheme_overrides``): ``(the training record's run label, what the options add to the scheme's label)``, e.g.
-    ``("rope", "yarn×4")``; without the training record, the label is left as it is."""
+    ``("rope", "yarn×4")``, or the whole new variant where it does not extend the trained one (``("rope+yarn×2",
+    "rope+yarn×2.5")``); without the training record, the label is left as it is."""
     trained = next((r for r in run if Path(r["path"]).name == "results.json"), None)
     for rec in run:
         if rec.get("scheme_overrides") and trained is not None:
             base, new = variant_label(trained["config"]["scheme"]), variant_label(rec["config"]["scheme"])
-            rec["applied"] = (label_of(trained), new[len(base):].lstrip("+") if new.startswith(base) else new)
+            rec["applied"] = (label_of(trained), new[len(base) + 1:] if new.startswith(base + "+") else new)
 
 
 def label_of(rec: dict) -> str:
@@ -215,22 +217,35 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-IDLE = (  # (option or option prefix, whether a config uses it): options a run without the other does not use
-    ("eval.passkey.", lambda c: "passkey" in (c["eval"].get("probes") or [])),
-    ("eval.context.", lambda c: "context" in (c["eval"].get("probes") or [])),
-    ("data.passkey_pairs", lambda c: (c["data"].get("passkey_rate") or 0) > 0),
-    ("data.copy_until", lambda c: (c["data"].get("copy_rate") or 0) > 0),
-    ("train.pose_chunks", lambda c: bool(c["train"].get("pose"))),
-    ("model.qk_norm_", lambda c: c["model"].get("qk_norm", "none") != "none"),
-    ("model.window_kind", lambda c: bool(c["model"].get("window"))),
+def _probes(c: dict) -> list:
+    return c["eval"].get("probes") or []
+
+
+def _needles(c: dict) -> bool:
+    return (c["data"].get("passkey_rate") or 0) > 0
+
+
+IDLE = (  # (option or option prefix, whether a config uses that option): a run without the other does not use it
+    ("eval.passkey.", lambda c, k: "passkey" in _probes(c) or (_needles(c) and k.rsplit(".", 1)[-1] in NEEDLE_FORMAT)),
+    ("eval.context.", lambda c, k: "context" in _probes(c)),
+    ("data.passkey_pairs", lambda c, k: _needles(c)),
+    ("data.copy_until", lambda c, k: (c["data"].get("copy_rate") or 0) > 0),
+    ("train.pose_chunks", lambda c, k: bool(c["train"].get("pose"))),
+    ("model.qk_norm_", lambda c, k: c["model"].get("qk_norm", "none") != "none"),
+    ("model.window_kind", lambda c, k: bool(c["model"].get("window"))),
+    ("scheme.beta_", lambda c, k: c["scheme"].get("scaling") == "yarn"),
+    ("scheme.yarn_ramp", lambda c, k: c["scheme"].get("scaling") == "yarn"),
+    ("scheme.low_freq_factor", lambda c, k: c["scheme"].get("scaling") == "llama3"),
+    ("scheme.high_freq_factor", lambda c, k: c["scheme"].get("scaling") == "llama3"),
 )
+PARTLY = " (the runs that use it)"  # after a value held fixed over the runs that use the option, not over every run
 
 
 def options(config: dict) -> dict:
     """A record's config flattened (``{"train.lr": "0.002"}``, values as JSON text), without the options it does not
-    use (:data:`IDLE`: the passkey probe's options of a run that did not run it, …): what its numbers depend on."""
-    idle = tuple(prefix for prefix, used in IDLE if not used(config))
-    return {k: v for k, v in _flat(config).items() if not k.startswith(idle)}
+    use (:data:`IDLE`: the passkey probe's options of a run that neither ran it nor trained with needles, …): what its
+    numbers depend on."""
+    return {k: v for k, v in _flat(config).items() if all(used(config, k) for prefix, used in IDLE if k.startswith(prefix))}
 
 
 def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, list[str]], dict[str, dict]]:
@@ -241,8 +256,9 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
       value across all records (not seeds, evaluation
       or bookkeeping keys: :data:`IGNORED`; not the tricks every label states: :data:`TRICK_KEYS`; for a fine-tuned
       run's label, not what it states: :data:`FT_KEYS`);
-    * the settings held fixed: keys every record has, with exactly one value (not the seed, the scheme or
-      the evaluation settings of the table titles; null and [] left out);
+    * the settings held fixed: keys every record has, with exactly one value over the records that use it
+      (:func:`options`; followed by :data:`PARTLY` where some do not; not the seed, the scheme or the evaluation
+      settings of the table titles; null and [] left out);
     * the keys that differ but label no row (bookkeeping, ``eval.batch_tokens``), with their values;
     * per scheme, its ``scheme.*`` values that differ only between schemes, or that only some schemes have.
 
@@ -261,9 +277,10 @@ def settings(records: list[dict]) -> tuple[dict[str, list[str]], dict[str, str],
     own = {name: [k for k in keys if k.startswith("scheme.") and k != "scheme.name" and len({f.get(k) for f in group}) > 1]
            for name, group in by_scheme.items()}
     labels = {name: [*own[name], *(k for k in common if name not in fine_tuned or k not in FT_KEYS)] for name in by_scheme}
-    everywhere = {k for k in keys if all(k in f for f in flats)}  # not an option of some schemes only
-    fixed = {k: v[0] for k, v in values.items() if len(v) == 1 and k in everywhere
-             and k not in ("seed", "scheme.name", *TITLE_KEYS) and v[0] not in ("null", "[]")}
+    raw = [_flat(r["config"]) for r in records]
+    everywhere = {k for k in keys if all(k in f for f in raw)}  # not an option of some schemes only
+    fixed = {k: v[0] + ("" if all(k in f for f in flats) else PARTLY) for k, v in values.items() if len(v) == 1
+             and k in everywhere and k not in ("seed", "scheme.name", *TITLE_KEYS) and v[0] not in ("null", "[]")}
     varying = {k: v for k, v in values.items() if len(v) > 1 and k.startswith(IGNORED) and k not in ("seed", *TITLE_KEYS)}
     per_scheme = {name: {k: group[0][k] for k in keys if k.startswith("scheme.") and k != "scheme.name" and k in group[0]
                          and (len(values[k]) > 1 or k not in everywhere) and k not in own[name]}
@@ -320,7 +337,8 @@ def fold(records: list[dict]) -> list[dict]:
             for length in lengths:
                 res = [next(r for r in rec["results"] if r["length"] == length) for rec in recs]
                 cells[setting, length] = {**head, "setting": setting, "label": recs[0]["label"], "folders": [
-                                              str(Path(rec["path"]).resolve().parent) for rec in recs],
+                                              str(Path(rec["path"]).resolve().parent) for rec in recs
+                                              if Path(rec["path"]).name == "results.json"],
                                           "differs": recs[0]["differs"], "length": length, **_budget(recs[0]), **stats.summary(
                     [r["nll"] for r in res], [(r["window_nll"], r["window_tokens"]) if "window_nll" in r and
                                               "window_tokens" in r else None for r in res])}

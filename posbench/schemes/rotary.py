@@ -62,7 +62,8 @@ class RotaryConfig(PositionalScheme.Config):
     yarn_ramp: reference (the YaRN code's and HF's ramp, linear in the pair index) or paper (the paper's §3.2 ramp,
         linear in the rotation count).
     low_freq_factor, high_freq_factor: Llama 3.1's blend ends a <= b in rotations over the train length (1 and 4;
-        Llama 4 Scout: 1 and 1); with scaling=llama3 only."""
+        Llama 4 Scout: 1 and 1); read by scaling=llama3 only (kept, unused, under another scaling, as YaRN's options
+        are: a re-evaluation of a llama3 run with another scaling carries them)."""
 
     base: float = 10000.0
     scaling: str = "none"
@@ -99,9 +100,6 @@ class RotaryConfig(PositionalScheme.Config):
         if not is_number(a) or not is_number(b) or not 0 < a <= b:
             raise ValueError(f"low_freq_factor={a!r}: Llama 3's blend needs 0 < low_freq_factor <= high_freq_factor "
                              f"(high_freq_factor={b!r})")
-        if self.scaling != "llama3" and (a, b) != (1.0, 4.0):
-            key, value = ("low_freq_factor", a) if a != 1.0 else ("high_freq_factor", b)
-            raise ValueError(f"{key}={value!r} applies to scaling=llama3 only: choose that scaling, or drop the option")
 
     def label(self) -> str:
         if self.scaling == "none":
