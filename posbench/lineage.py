@@ -30,6 +30,7 @@ before anything is written:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -42,6 +43,7 @@ from omegaconf import DictConfig, open_dict
 from posbench import build, checkpoint
 from posbench.build import MODEL_KEYS
 from posbench.config import LAYER_KEYS, ConfigError, scheme_schema, to_dict
+from posbench.config_checks import eval_values
 from posbench.corpora import file_sha256
 from posbench.results import run_label
 from posbench.schemes import SCHEMES
@@ -157,12 +159,16 @@ def inherit(cfg: DictConfig, parent: Parent) -> None:
 
 def _fit(cfg: DictConfig, lengths: list[int]) -> bool:
     """Whether evaluation ``lengths`` taken from a parent serve the run ``cfg``: one of them is past its L (else the
-    run would never be evaluated past L), the sliding stride (if given) fits the shortest, and the context probe's
-    stride (if it runs; default L // 8) divides T − L at every length T past L (posbench/context.py's rule)."""
-    L, e = cfg.train.seq_len, cfg.eval
-    stride = e.context.stride or max(1, L // 8)
-    return (max(lengths) > L and (e.protocol != "sliding" or e.stride is None or e.stride <= min(lengths))
-            and ("context" not in (e.probes or []) or all((T - L) % stride == 0 for T in lengths if T > L)))
+    run would never be evaluated past L) and the run's evaluation settings accept them (the sliding stride, the
+    context probe's stride: :func:`posbench.config_checks.eval_values`, tried on a copy)."""
+    e = copy.deepcopy(cfg.eval)
+    with open_dict(e):
+        e.lengths = list(lengths)
+    try:
+        eval_values(e, cfg.train.seq_len)
+    except ConfigError:
+        return False
+    return max(lengths) > cfg.train.seq_len
 
 
 def check_config(cfg: DictConfig, parent: Parent) -> None:

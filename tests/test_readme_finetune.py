@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from helpers import ok
 from posbench import lineage
+from posbench.config import EvalConfig
 from posbench.report import compare
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -96,6 +97,6 @@ def test_finetune_keeps_given_lengths_and_its_own_past_the_parents(parent_and_fi
     (384, "nonoverlapping", None, ["context"], 128, True),  # 128 divides 128, 640 and 1664
 ])
 def test_a_parents_lengths_are_taken_only_where_they_fit(L, protocol, stride, probes, context_stride, fits):
-    cfg = OmegaConf.create({"train": {"seq_len": L}, "eval": {"protocol": protocol, "stride": stride, "probes": probes,
-                                                             "context": {"stride": context_stride}}})
+    given = {"protocol": protocol, "stride": stride, "probes": probes, "context": {"stride": context_stride}}
+    cfg = OmegaConf.create({"train": {"seq_len": L}, "eval": OmegaConf.merge(OmegaConf.structured(EvalConfig), given)})
     assert lineage._fit(cfg, [128, 256, 512, 1024, 2048]) is fits

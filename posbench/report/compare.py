@@ -56,7 +56,7 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
             raise ReportError(f"{str(folder)!r} is not a folder; give run or sweep folders")
         runs = {p.parent.parent for p in folder.rglob(".hydra/config.yaml")} | {p.parent for p in folder.rglob("results.json")}
         for run in sorted(r for r in runs if SUPERSEDED not in r.relative_to(folder).parts):  # (asked for by name: kept)
-            files = sorted([*run.glob("results.json"), *run.glob("eval-*.json")])
+            files, found = sorted([*run.glob("results.json"), *run.glob("eval-*.json")]), []
             if not files:
                 skipped.append(f"{run}: no results yet (still running, or stopped before evaluation)")
             for path in files:
@@ -76,8 +76,9 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                     skipped.append(f"{path}: {e}")
                     continue
                 rec["path"] = str(path)
-                records.append(rec)
-            _mark_reevaluations([r for r in records if Path(r["path"]).parent == run])
+                found.append(rec)
+            _mark_reevaluations(found)
+            records += found
     if records:
         common = Counter(map(origin_length, records)).most_common(1)[0][0]
         skipped += [f"{r['path']}: train length L={origin_length(r)} differs from L={common} of the other runs"
@@ -378,14 +379,18 @@ def ppl_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     return dict(series)
 
 
+def _at_longest(rows: list[dict]) -> list[dict]:
+    """The plotted table's rows (the first: validation split, nonoverlapping when present) at its longest length."""
+    first = min(r["table"] for r in rows)
+    longest = max(r["length"] for r in rows if r["table"] == first)
+    return [r for r in rows if r["table"] == first and r["length"] == longest]
+
+
 def finetune_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     """{method: (fine-tuning tokens, perplexity at the longest evaluation length)} of the plotted table's fine-tuned
     rows (``method`` set by :func:`fold`), in token order: how each method improves with its budget; {} without any."""
-    first = min(r["table"] for r in rows)
-    longest = max(r["length"] for r in rows if r["table"] == first)
     series = defaultdict(lambda: ([], []))
-    for r in sorted((r for r in rows if r["table"] == first and r["length"] == longest and r.get("method")),
-                    key=lambda r: r["train_tokens"] or 0):
+    for r in sorted((r for r in _at_longest(rows) if r.get("method")), key=lambda r: r["train_tokens"] or 0):
         series[r["method"]][0].append(r["train_tokens"] or 0)
         series[r["method"]][1].append(r["ppl"])
     return dict(series)
@@ -394,9 +399,7 @@ def finetune_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
 def finetune_parents(rows: list[dict]) -> dict[str, float]:
     """{row label: perplexity at the longest evaluation length} of the plotted table's rows that are the parent of
     one of its fine-tuned rows (a row's run folder is a fine-tuned row's ``parent``): the weights before fine-tuning."""
-    first = min(r["table"] for r in rows)
-    longest = max(r["length"] for r in rows if r["table"] == first)
-    plotted = [r for r in rows if r["table"] == first and r["length"] == longest]
+    plotted = _at_longest(rows)
     parents = {r["parent"] for r in plotted if r.get("parent")}
     return {r["label"]: r["ppl"] for r in plotted if not r.get("method") and parents & set(r.get("folders", []))}
 

@@ -73,9 +73,11 @@ def _figure(plt, panels: int, entries: int = 0, longest: int = 1, columns: int =
 
 
 def _save(plt, fig, path: Path, handles: list) -> Path:
-    """``handles`` as one legend below the axes, plain tick labels (:func:`_plain_ticks`), ``path`` at 110 dpi; the
-    figure closed."""
+    """``handles`` as one legend below the axes, plain tick labels (:func:`_plain_ticks`) at the figure's font size,
+    ``path`` at 110 dpi; the figure closed."""
     _plain_ticks(fig)
+    for ax in fig.axes:
+        ax.tick_params(which="both", labelsize=FONT)
     columns, _ = _legend_rows(len(handles), max((len(h.get_label()) for h in handles), default=1))
     fig.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=FONT)
     fig.savefig(path, dpi=110)
@@ -192,7 +194,6 @@ def _panel(ax, rows: list[dict], title: str, xlabel: str, ylabel: str) -> None:
                     bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlabel(xlabel, fontsize=FONT)
     ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title(_title(title), fontsize=FONT + 1)
 
 
@@ -218,7 +219,6 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict
     _min_span(ax, [*(y for _, ys in series.values() for y in ys), *parents.values()])
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.tick_params(which="both", labelsize=FONT)
     ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}")
     ax.set_title(_title(f"Perplexity at {length} tokens vs fine-tuning budget. {title}"), fontsize=FONT + 1)
     return _save(plt, fig, out / "ppl_vs_finetune.png", _handles(styles))
@@ -242,7 +242,6 @@ def draw_passkey(out: Path, distance: dict[str, tuple[list, list]], depth: dict[
     ax.axvline(1.0, color="grey", linestyle="--")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="needle-to-query distance / L", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
-    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title(_title(f"Passkey retrieval vs distance. {title}"), fontsize=FONT + 1)
     from matplotlib.lines import Line2D  # (matplotlib: imported only where a plot is drawn)
 
@@ -280,7 +279,6 @@ def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], tr
     ax.set_xscale("log", base=2)
     ax.set_xlabel("evaluation length T (tokens)", fontsize=FONT)
     ax.set_ylabel("NLL_full − NLL_short (nats/token)", fontsize=FONT)
-    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title(_title(f"Context use past L = {train_length}: mean NLL_full − NLL_short of the tokens at positions ≥ L, "
                         "NLL_full with the whole window before each token as context, NLL_short with at most the last L "
                         "tokens (negative: the model uses context beyond L)"), fontsize=FONT + 1)
@@ -305,6 +303,5 @@ def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]]
                                linestyle="-" if length == lengths[0] else "--", label=names[setting, length])
     ax.set_xscale("log")
     ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
-    ax.tick_params(which="both", labelsize=FONT)
     ax.set_title("Passkey retrieval during training (solid: at L, dashed: longest probe length)", fontsize=FONT + 1)
     return _save(plt, fig, out / "passkey_vs_tokens.png", handles)
