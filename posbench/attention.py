@@ -89,7 +89,6 @@ CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · que
 CONTEXT_ELEMENTS_CUDA = 1 << 26  # the same on a GPU, 256 MiB: blocks of a CPU's size leave a GPU launch-bound
 WINDOW_QUERIES = 64  # banded with a window: queries per block, each against its block and the W − 1 keys before it
 KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual")
-ATTN_SCALES = ("none", "log_n", "ssmax")  # model.attn_scale: a factor on the queries before any kernel (model.GPT)
 QK_NORMS = ("none", "rms")  # model.qk_norm: each head's q and k normalised before the rotation (model.GPT)
 QK_NORM_LAYERS = ("all", "local")  # model.qk_norm_layers: every layer, or the L layers of model.layer_pattern
 log = logging.getLogger("posbench")

@@ -91,6 +91,7 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
         glob = None if g is None else _build_scheme(g, m, kinds.count("G"), "model.global_scheme")
     return GPT(spec["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
                scale_embeddings=m["scale_embeddings"], attn_scale=m["attn_scale"], scale_length=m["scale_length"],
+               scale_beta=m["scale_beta"], scale_layers=m["scale_layers"],
                attn_dropout=m["attn_dropout"], global_scheme=glob, layer_pattern=m["layer_pattern"], window=m["window"],
                window_kind=m["window_kind"], qk_norm=m["qk_norm"], qk_norm_layers=m["qk_norm_layers"],
                qk_norm_weight=m["qk_norm_weight"], attn_sink=m["attn_sink"])

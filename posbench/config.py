@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import config_checks as checks
 from posbench import context, passkey
-from posbench.attention import ATTN_SCALES, QK_NORM_LAYERS, QK_NORMS
+from posbench.attention import QK_NORM_LAYERS, QK_NORMS
 from posbench.config_checks import (  # noqa: F401
     ConfigError,
     check_choices,
@@ -35,6 +35,7 @@ from posbench.config_checks import (  # noqa: F401
     longest_length,
 )
 from posbench.schemes import SCHEMES
+from posbench.temperature import ATTN_SCALES, BETA, SCALE_LAYERS
 from posbench.windows import WINDOW_KINDS
 
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluate.py
@@ -67,8 +68,10 @@ class ModelConfig:
     dropout: float = 0.0  # residual and embedding dropout, 0 <= p < 1
     attn_dropout: float = 0.0  # attention-probability dropout, 0 <= p < 1 (any > 0 moves bias schemes off Flex on CUDA)
     scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
-    attn_scale: str = choices(*ATTN_SCALES, default="none")  # queries × a factor of the keys they see (model.py GPT)
-    scale_length: Optional[int] = None  # L of log_n's ln n / ln L; None = the train length (log_n only)
+    attn_scale: str = choices(*ATTN_SCALES, default="none")  # queries × a factor of their index (posbench/temperature.py)
+    scale_length: Optional[int] = None  # L of log_n, log_n_clipped; F of floor_log(_n); None = L (floor_log_n: L + 1)
+    scale_beta: float = BETA  # β of floor_log and floor_log_n
+    scale_layers: str = choices(*SCALE_LAYERS)  # all | global (the G layers: Llama 4's NoPE layers); zero-shot only
     # hybrid layers (model.py GPT, posbench/windows.py): L local, G global, repeated over the layers; G = every layer
     layer_pattern: str = "G"
     global_scheme: Any = None  # the G layers' scheme: a name or {name: …, <option>: …}; None = the run's scheme
@@ -167,6 +170,17 @@ class PosbenchConfig:
 
 
 @dataclass
+class EvalModelConfig:
+    """The model options ``posbench eval`` may change, the zero-shot temperature's (posbench/temperature.py); None:
+    the run's own."""
+
+    attn_scale: Optional[str] = None  # none | floor_log | floor_log_n | log_n_clipped (1 within L)
+    scale_length: Optional[int] = None
+    scale_beta: Optional[float] = None
+    scale_layers: Optional[str] = None
+
+
+@dataclass
 class EvalJobConfig:
     """``posbench eval``: re-evaluate the checkpoint in ``run`` with these evaluation settings."""
 
@@ -175,6 +189,7 @@ class EvalJobConfig:
     device: str = "auto"
     threads: Optional[int] = None
     scheme: Any = None  # options of the run's scheme to change (scheme.scaling=yarn); the stored schema: eval_schema()
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)  # a zero-shot temperature (model.attn_scale=floor_log)
 
 
 # ---- schemas made from the registry ------------------------------------------------------------------------

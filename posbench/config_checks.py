@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from posbench import context, passkey
 from posbench.device import native_bf16_cpu, resolve_device
 from posbench.schemes import SCHEMES, PositionalScheme
+from posbench.temperature import BETA, ZERO_SHOT, default_length, first_scaled
 from posbench.windows import expand_pattern
 
 log = logging.getLogger("posbench")
@@ -191,8 +192,10 @@ def training_data_inert(d: DictConfig, defaults) -> None:
 
 
 def model_values(m: DictConfig, seq_len: int) -> None:
-    """``model.*``: sizes, heads that divide the width into even head dimensions, dropouts in [0, 1), and log-n
-    scaling's ``model.scale_length`` (filled: None → ``seq_len``, the length the weights are trained at)."""
+    """``model.*``: sizes, heads that divide the width into even head dimensions, dropouts in [0, 1), and the
+    temperature's options (posbench/temperature.py): ``model.scale_length`` (filled: None → ``seq_len``, the length
+    the weights are trained at; ``seq_len`` + 1 for floor_log_n), a zero-shot temperature's 1 at every index below
+    ``seq_len``, ``model.scale_beta`` (> 0) and ``model.scale_layers`` only where they apply."""
     for key in ("n_layer", "n_head", "d_model", "d_ff"):
         positive(f"model.{key}", m[key])
     if m.d_model % m.n_head:
@@ -202,16 +205,32 @@ def model_values(m: DictConfig, seq_len: int) -> None:
     for key in ("dropout", "attn_dropout"):
         if not 0 <= m[key] < 1:  # (NaN fails it too)
             raise ConfigError(f"model.{key}={m[key]} is not allowed: it is a dropout probability, 0 <= p < 1")
-    if m.attn_scale != "log_n":
+    floor, zero_shot = m.attn_scale in ("floor_log", "floor_log_n"), m.attn_scale in ZERO_SHOT
+    if m.scale_beta != BETA and not floor:
+        raise ConfigError(f"model.scale_beta={m.scale_beta} applies to model.attn_scale=floor_log or floor_log_n "
+                          f"(model.attn_scale={m.attn_scale}): drop it")
+    if floor and not (math.isfinite(m.scale_beta) and m.scale_beta > 0):
+        raise ConfigError(f"model.scale_beta={m.scale_beta} is not allowed: the floor-log temperature's beta must be "
+                          f"> 0 (default {BETA})")
+    if m.scale_layers != "all" and not zero_shot:
+        raise ConfigError(f"model.scale_layers={m.scale_layers} applies to the zero-shot temperatures (model.attn_scale="
+                          f"{' or '.join(ZERO_SHOT)}; model.attn_scale={m.attn_scale}): drop it")
+    if m.attn_scale in ("none", "ssmax"):
         if m.scale_length is not None:
-            raise ConfigError(f"model.scale_length={m.scale_length} applies to model.attn_scale=log_n only "
-                              f"(model.attn_scale={m.attn_scale}): drop it")
+            raise ConfigError(f"model.scale_length={m.scale_length} applies to model.attn_scale=log_n, "
+                              f"{', '.join(ZERO_SHOT)} only (model.attn_scale={m.attn_scale}): drop it")
         return
     if m.scale_length is None:
-        m.scale_length = seq_len
+        m.scale_length = default_length(m.attn_scale, seq_len)
     if m.scale_length < 2:
-        raise ConfigError(f"model.scale_length={m.scale_length} is not allowed: log-n scaling divides by ln L, "
-                          "so L must be >= 2")
+        raise ConfigError(f"model.scale_length={m.scale_length} is not allowed: it must be >= 2 (log-n scaling divides "
+                          "by ln L; a floor-log F of 1 scales every position)")
+    first = first_scaled(m.attn_scale, m.scale_length) if zero_shot else seq_len
+    if first < seq_len:
+        need = default_length(m.attn_scale, seq_len)
+        raise ConfigError(f"model.scale_length={m.scale_length} makes model.attn_scale={m.attn_scale} scale the queries "
+                          f"from index {first} on, within the train length L={seq_len}, where the weights never saw a "
+                          f"temperature: a zero-shot temperature is 1 within L; give model.scale_length >= {need}")
 
 
 NEEDLE_FORMAT = ("keys", "key_vocab", "key_length", "marker", "end")  # eval.passkey's, also the training needles'
@@ -330,12 +349,16 @@ def layers(m: DictConfig, scheme: str, seq_len: int, longest: int) -> None:
                               f"< {seq_len}")
     elif m.window_kind != "sliding":
         raise ConfigError(f"model.window_kind={m.window_kind} applies to model.window: give model.window=<tokens>")
-    if W is not None and m.attn_scale != "none":
+    if W is not None and m.attn_scale in ("log_n", "ssmax"):
         raise ConfigError(f"model.attn_scale={m.attn_scale} scales a query by the t + 1 keys it sees, and model.window="
                           f"{W} caps them at W in the L layers: the two are not defined together; drop one of them")
     if m.qk_norm == "none" and (m.qk_norm_layers != "all" or m.qk_norm_weight is not True):
         key = "qk_norm_layers" if m.qk_norm_layers != "all" else "qk_norm_weight"
         raise ConfigError(f"model.{key}={m[key]} applies to QK-norm: add model.qk_norm=rms, or drop it")
+    if m.scale_layers == "global" and not ("L" in kinds and "G" in kinds):
+        raise ConfigError(f"model.scale_layers=global scales the G layers beside L layers, and model.layer_pattern="
+                          f"{m.layer_pattern} at {m.n_layer} layers has {'no L' if 'L' not in kinds else 'no G'} layer: "
+                          "give a pattern with both, e.g. LLLG, or model.scale_layers=all")
     if m.qk_norm == "rms" and m.qk_norm_layers == "local" and "L" not in kinds:
         raise ConfigError(f"model.qk_norm_layers=local applies to the L layers, and model.layer_pattern="
                           f"{m.layer_pattern} has none")

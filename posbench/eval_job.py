@@ -1,6 +1,6 @@
 """``posbench eval``'s job: a trained run's checkpoint scored again with other evaluation settings (and, optionally,
-other options of its scheme, e.g. ``scheme.scaling=yarn scheme.factor=16`` on a RoPE run), written beside the run's
-results, never over them.
+other options of its scheme, e.g. ``scheme.scaling=yarn scheme.factor=16`` on a RoPE run, or a zero-shot temperature,
+``model.attn_scale=floor_log``: posbench/temperature.py), written beside the run's results, never over them.
 
 :func:`prepare` does everything that can fail, once, before Hydra writes into the run folder: it reads the
 checkpoint, puts the job's settings into the run's config and finalizes it (the scheme's options resolved:
@@ -34,8 +34,12 @@ from posbench.device import flush_denormals_from_now, resolve_device, set_thread
 from posbench.evaluate import evaluate
 from posbench.inputs import needle_of, prepare_data
 from posbench.schemes import SCHEMES
+from posbench.temperature import BETA, ZERO_SHOT
+from posbench.upgrade import model_section
 
 log = logging.getLogger("posbench")
+TEMPERATURE_KEYS = ("attn_scale", "scale_length", "scale_beta", "scale_layers")  # model.* posbench eval may change
+TRAINED = ("log_n", "ssmax")  # temperatures the weights are trained with: never added or removed at evaluation
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class EvalJob:
         state: the run's checkpoint (``posbench.checkpoint.read``).
         corpus: the run's corpus, its evaluation split checked against the lengths.
         model: the model, built with the changed options, the trained weights loaded, on the CPU.
-        overrides: the scheme options that differ from the trained model's spec (``{}``: the model as trained).
+        overrides: ``{"scheme": {...}, "model": {...}}``, the scheme options and temperature options that differ from
+            the trained model's spec, each section only where one does (``{}``: the model as trained).
         run_dir: the run folder. device, threads: where to compute (``device`` checked, not yet resolved).
         needle: the passkey format when ``eval.probes`` has passkey (posbench/passkey.py), else None.
     """
@@ -76,7 +81,8 @@ def prepare(job: DictConfig) -> EvalJob:
         ConfigError: a run folder without a readable checkpoint of a known format, evaluation settings the run
             cannot serve (``posbench.config.finalize``), a scheme option the run's scheme lacks (the message lists
             its options), a value of the wrong type or one the scheme's ``resolve`` refuses, options with which the
-            checkpoint's weights no longer fit the model, or an evaluation split too short for the lengths.
+            checkpoint's weights no longer fit the model, a temperature that changes training (``log_n``,
+            ``ssmax``: given, or the run's own), or an evaluation split too short for the lengths.
         posbench.data.DataError: the run's corpus cannot be prepared.
     """
     check_keys(job, EvalJobConfig(), shown_by="posbench eval run=<run folder> --cfg job")
@@ -93,10 +99,14 @@ def prepare(job: DictConfig) -> EvalJob:
     given = {k: v for k, v in to_dict(job.scheme).items() if v is not None} if isinstance(job.get("scheme"), DictConfig) else {}
     if given:
         cfg.scheme = _changed_scheme(cfg.scheme, given, job.run)
+    temperature = {k: v for k, v in to_dict(job.model).items() if v is not None} if job.get("model") else {}
+    if temperature:
+        _change_temperature(cfg.model, temperature, job.run)
     finalize(cfg, training=False)  # the job's own device is checked above; the run's train.device is history
     trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
-    overrides = _overrides(to_dict(cfg.scheme), trained["scheme"])
-    model = _trained_model(state, trained, overrides, given)
+    overrides = _overrides(to_dict(cfg.scheme), trained["scheme"], to_dict(cfg.model), trained.get("model") or {})
+    model = _trained_model(state, trained, overrides, {**{f"scheme.{k}": v for k, v in given.items()},
+                                                       **{f"model.{k}": v for k, v in temperature.items()}})
     corpus = prepare_data(cfg)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
     return EvalJob(cfg, state, corpus, model, overrides, Path(job.run), job.device, job.threads, needle)
@@ -117,7 +127,7 @@ def run(job: EvalJob, progress=None) -> dict:
                  job.run_dir, ", ".join(map(str, e.lengths)), e.protocol,
                  f" stride {e.stride}" if e.protocol == "sliding" else "", e.split,
                  f"at most {e.max_tokens} tokens" if e.max_tokens else "all of it", device, threads)
-    extra = {"scheme_overrides": job.overrides["scheme"]} if job.overrides else {}
+    extra = {f"{section}_overrides": changed for section, changed in job.overrides.items()}
     extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens") if job.state.get(k)})  # a fine-tuned run's
     with _progress(job, progress) as progress:
         rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
@@ -193,20 +203,46 @@ def _changed_scheme(scheme: DictConfig, given: dict, run: str) -> DictConfig:
         raise ConfigError(f"scheme.{key}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}") from None
 
 
-def _overrides(scheme: dict, trained: dict) -> dict:
-    """``{"scheme": {option: value}}`` for every option of the resolved ``scheme`` section that differs from the
-    trained spec's ``trained`` (an option it lacks reads as the scheme's ``Config`` default), or ``{}``."""
+def _change_temperature(model: DictConfig, given: dict, run: str) -> None:
+    """Put the ``given`` temperature options into the run's finalized model section ``model`` (in place); a new
+    ``model.attn_scale`` starts from its own defaults for the options not given.
+
+    Raises ConfigError for a temperature that changes training: ``log_n`` or ``ssmax`` given, or the run's own (its
+    weights were trained with it), and for a value of the wrong type."""
+    trained, new = model.attn_scale, given.get("attn_scale", model.attn_scale)
+    what = " ".join(f"model.{k}={v}" for k, v in given.items())
+    if trained in TRAINED:
+        raise ConfigError(f"{what}: the run {run!r} was trained with model.attn_scale={trained}, which its weights "
+                          "depend on; posbench eval keeps it")
+    if new in TRAINED:
+        raise ConfigError(f"model.attn_scale={new} changes training and cannot be applied after it; at evaluation give "
+                          f"one of: none, {', '.join(ZERO_SHOT)} (1 within L)")
+    fresh = {"scale_length": None, "scale_beta": BETA, "scale_layers": "all"} if new != trained else {}
+    try:
+        for key, value in {**fresh, **given}.items():
+            model[key] = value
+    except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors, of many kinds
+        raise ConfigError(f"{what}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}") from None
+
+
+def _overrides(scheme: dict, trained: dict, model: dict, trained_model: dict) -> dict:
+    """``{"scheme": {option: value}, "model": {option: value}}`` for every option of the resolved ``scheme`` section
+    that differs from the trained spec's ``trained`` (an option it lacks reads as the scheme's ``Config`` default) and
+    every temperature option of ``model`` that differs from the trained spec's ``trained_model`` (read with today's
+    defaults), each section only where one differs; ``{}`` for the model as trained."""
     defaults = dataclasses.asdict(SCHEMES[scheme["name"]].Config())
-    changed = {k: v for k, v in scheme.items() if k != "name" and v != trained.get(k, defaults.get(k))}
-    return {"scheme": changed} if changed else {}
+    changed = {"scheme": {k: v for k, v in scheme.items() if k != "name" and v != trained.get(k, defaults.get(k))}}
+    was = model_section(trained_model)
+    changed["model"] = {k: model[k] for k in TEMPERATURE_KEYS if model[k] != was[k]}
+    return {section: options for section, options in changed.items() if options}
 
 
 def _trained_model(state: dict, trained: dict, overrides: dict, given: dict) -> torch.nn.Module:
     """The model of the spec ``trained`` with ``overrides``, the checkpoint's weights loaded, in eval mode, on the CPU.
 
-    Raises ConfigError when the changed options are refused by the scheme or give scheme weights of other names
-    or shapes than the trained ones."""
-    changed = ", ".join(f"scheme.{k}={v!r}" for k, v in given.items())
+    Raises ConfigError when the changed options (``given``: {"scheme.<option>": value, …}) are refused by the scheme
+    or the model, or give scheme weights of other names or shapes than the trained ones."""
+    changed = ", ".join(f"{k}={v!r}" for k, v in given.items())
     try:
         model = build.build_model(trained, overrides)
     except ValueError as e:

@@ -11,7 +11,8 @@ attention context (posbench/attention.py: the scheme, the positions, its rotatio
 its bias or masks), which the layers of that instance share; each layer hands its q, k, v to ``attention.attend``:
 causal SDPA when the scheme has no bias, otherwise a kernel chosen for the scheme and device (FlexAttention on CUDA;
 ALiBi folded into SDPA on CPU) that never materialises a (B, H, T, T) tensor. ``attn_scale`` multiplies each query
-by a factor of the number of keys it sees (log-n scaling, Scalable-Softmax) before any kernel runs.
+by a factor of its index (log-n scaling, Scalable-Softmax, the zero-shot temperatures: posbench/temperature.py) before
+any kernel runs.
 
     scheme = build_scheme("alibi", d_model=128, n_head=4)
     model = GPT(vocab_size=4096, n_layer=4, n_head=4, d_model=128, d_ff=512, scheme=scheme)
@@ -30,7 +31,7 @@ import math
 import torch
 from torch import nn
 
-from posbench import attention
+from posbench import attention, temperature
 from posbench.schemes.base import PositionalScheme
 from posbench.windows import Window, expand_pattern
 
@@ -78,7 +79,7 @@ class HeadNLL(torch.autograd.Function):
 class Attention(nn.Module):
     """Causal multi-head self-attention whose positions come from the context of the forward pass
     (posbench/attention.py: this layer's scheme, kernel, window, rotation tables, bias; dropout included), with the
-    length-dependent scaling of the queries ``attn_scale`` (``attention.ATTN_SCALES``; see :class:`GPT`), optionally
+    length-dependent scaling of the queries ``attn_scale`` (posbench/temperature.py; see :class:`GPT`), optionally
     QK-norm (``qk_norm``: RMSNorm of each head's query and key before any rotation, with or without a learned gain per
     head dimension, ``qk_weight``) and a learned sink logit per head (``sink``)."""
 
@@ -96,16 +97,17 @@ class Attention(nn.Module):
                                         for _ in range(2))
         self.sink = nn.Parameter(torch.zeros(n_head)) if sink else None  # (H,) (drawn by GPT's initialisation)
 
-    def forward(self, x: torch.Tensor, ctx: attention.Context, log_n: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, D); log_n: None (no scaling), or the (T, 1) factor of ``log_n`` scaling, or ln n (T, 1) for
-        ``ssmax``, n = 1 … T the keys each query sees → (B, T, D)."""
+    def forward(self, x: torch.Tensor, ctx: attention.Context, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, D); factor: None (no scaling), or the (T, 1) factor on each query (``temperature.factor``: for
+        ``ssmax`` ln n, which the layer multiplies by its learned s_h) → (B, T, D)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
         if self.q_norm is not None:  # x / rms(x) per head, before the rotation (which keeps each head's norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ctx.scheme.rotate(q, k, ctx.rotation)
-        if log_n is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
-            factor = self.ssmax[:, None, None] * log_n.to(self.ssmax.dtype) if hasattr(self, "ssmax") else log_n
+        if factor is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
+            if hasattr(self, "ssmax"):
+                factor = self.ssmax[:, None, None] * factor.to(self.ssmax.dtype)  # (H, T, 1)
             q = q * factor.to(q.dtype)  # factor: (H, T, 1) or (T, 1)
         y = attention.attend(q, k, v, ctx) if self.sink is None else attention.attend(q, k, v, ctx, self.sink)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
@@ -121,8 +123,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, ctx, log_n=None):
-        x = x + self.drop(self.attn(self.ln1(x), ctx, log_n))
+    def forward(self, x, ctx, factor=None):
+        x = x + self.drop(self.attn(self.ln1(x), ctx, factor))
         return x + self.mlp(self.ln2(x))  # (B, T, D)
 
 
@@ -155,18 +157,17 @@ class GPT(nn.Module):
             (GPT-OSS's attention sinks; Xiao et al. 2023's sink as a parameter), initialised N(0, :data:`SINK_STD`²).
         scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
             GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
-        attn_scale: length-dependent attention scaling (``attention.ATTN_SCALES``), a factor on each query, so on its
+        attn_scale: length-dependent attention scaling, a factor on each query (``temperature.factor``), so on its
             logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are),
-            n = t + 1 the keys query t of a window sees
-            (causal by index, whatever the positions):
-            ``none``: 1 (the model as before, bit for bit);
-            ``log_n``: ln n / ln L, L = ``scale_length`` (Chiang & Cholak 2022, "Overcoming a theoretical
-            limitation of self-attention", ACL, arXiv:2202.12172: logits multiplied by log n; divided here by log L
-            so that the factor is 1 at n = L);
-            ``ssmax``: s_h·ln n, s_h learned per head and layer, initialised to :data:`SSMAX_INIT` (Nakanishi 2025,
-            "Scalable-Softmax Is Superior for Attention", arXiv:2501.19399: SSMax(z)_i = n^(s·z_i) / Σ_j n^(s·z_j),
-            i.e. softmax(s·ln n · z)).
-        scale_length: L of ``log_n`` (the train length), an int >= 2; unused otherwise.
+            a function of the query's index t in the window, n = t + 1 the keys it sees (causal by index, whatever
+            the positions): ``none`` (1: the model as before, bit for bit), ``log_n`` (ln n / ln L), ``ssmax``
+            (s_h·ln n, s_h learned per head and layer, initialised to :data:`SSMAX_INIT`), and the zero-shot
+            temperatures, 1 for every t < L: ``floor_log`` (Ministral 3), ``floor_log_n`` (Llama 4),
+            ``log_n_clipped`` (ReRoPE, Self-Extend).
+        scale_length: L of ``log_n`` and ``log_n_clipped``, F of ``floor_log`` and ``floor_log_n``; unused otherwise.
+        scale_beta: β of ``floor_log`` and ``floor_log_n``, > 0.
+        scale_layers: the layers a zero-shot temperature scales: ``all``, or ``global`` (the G layers of a pattern
+            with L and G layers: Llama 4 scales its NoPE layers); ``log_n`` and ``ssmax`` scale every layer.
         attn_dropout: dropout probability on the attention probabilities, in [0, 1), in training mode only (0
             disables it). Any attention dropout moves a bias scheme off FlexAttention on CUDA, which has none
             (``attention.choose_kernel``).
@@ -176,7 +177,9 @@ class GPT(nn.Module):
             a scheme that embeds positions beside a ``global_scheme``; a bad ``layer_pattern``; a window without an L
             layer, of size below 1 or of an unknown kind, or beside an ``attn_scale`` other than ``none``; a
             ``global_scheme`` without a G layer; an unknown ``attn_scale``, ``qk_norm`` or ``qk_norm_layers``, or
-            ``local`` without an L layer; ``log_n`` without a ``scale_length`` >= 2; ``attn_dropout`` outside [0, 1).
+            ``local`` without an L layer; a ``scale_length`` or ``scale_beta`` the temperature refuses, or
+            ``scale_layers=global`` but for a zero-shot temperature on a pattern with L and G layers; ``attn_dropout``
+            outside [0, 1).
 
     Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
     by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them; attention
@@ -185,23 +188,26 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
                  scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
-                 attn_scale: str = "none", scale_length: int | None = None, attn_dropout: float = 0.0,
+                 attn_scale: str = "none", scale_length: int | None = None, scale_beta: float = temperature.BETA,
+                 scale_layers: str = "all", attn_dropout: float = 0.0,
                  global_scheme: PositionalScheme | list[PositionalScheme] | None = None, layer_pattern: str = "G",
                  window: int | None = None, window_kind: str = "sliding", qk_norm: str = "none",
                  qk_norm_layers: str = "all", qk_norm_weight: bool = True, attn_sink: bool = False):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
-        if attn_scale not in attention.ATTN_SCALES:
-            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(attention.ATTN_SCALES)}")
-        if attn_scale == "log_n" and not (isinstance(scale_length, int) and scale_length >= 2):
-            raise ValueError(f"scale_length={scale_length!r}: log-n scaling divides by ln L, so L must be an int >= 2")
+        if attn_scale not in temperature.ATTN_SCALES:
+            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(temperature.ATTN_SCALES)}")
+        if attn_scale != "none":
+            temperature.factor(attn_scale, 1, scale_length, scale_beta)  # ValueError for a bad scale_length
+        if attn_scale.startswith("floor_log") and not scale_beta > 0:
+            raise ValueError(f"scale_beta={scale_beta!r}: the floor-log temperature needs beta > 0")
         if not 0 <= attn_dropout < 1:
             raise ValueError(f"attn_dropout={attn_dropout!r} is not a dropout probability, 0 <= p < 1")
         kinds = expand_pattern(layer_pattern, n_layer)  # one letter per layer
         users = n_layer if global_scheme is None else kinds.count("L")  # the layers of self.scheme
         self.windows = _windows(kinds, window, window_kind)  # per layer: a Window or None
-        if window is not None and attn_scale != "none":
+        if window is not None and attn_scale in ("log_n", "ssmax"):
             raise ValueError(f"attn_scale={attn_scale!r} counts t + 1 keys per query, which window={window} caps in the "
                              "L layers: give one of them")
         if global_scheme is not None and "G" not in kinds:
@@ -219,8 +225,13 @@ class GPT(nn.Module):
         if qk_norm == "rms" and qk_norm_layers == "local" and "L" not in kinds:
             raise ValueError(f"qk_norm_layers=local, but layer_pattern={layer_pattern!r} has no L layer")
         normed = [qk_norm == "rms" and (qk_norm_layers == "all" or kind == "L") for kind in kinds]
+        if scale_layers not in temperature.SCALE_LAYERS or scale_layers == "global" and not (
+                attn_scale in temperature.ZERO_SHOT and "L" in kinds and "G" in kinds):
+            raise ValueError(f"scale_layers={scale_layers!r}: choose {' or '.join(temperature.SCALE_LAYERS)}; global "
+                             "needs a zero-shot attn_scale and a layer_pattern with L and G layers")
         self.n_head, self.attn_dropout = n_head, attn_dropout
-        self.attn_scale, self.scale_length = attn_scale, scale_length
+        self.attn_scale, self.scale_length, self.scale_beta = attn_scale, scale_length, scale_beta
+        self.scaled = [attn_scale != "none" and (scale_layers == "all" or kind == "G") for kind in kinds]  # per layer
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -284,9 +295,10 @@ class GPT(nn.Module):
             if (id(s), window) not in contexts:  # graph break)
                 contexts[(id(s), window)] = attention.context(s, pos, self.n_head, x.dtype, dropout, span=span,
                                                               window=window, sink=sink)
-        log_n = None if self.attn_scale == "none" else self._log_n(idx.shape[1], idx.device)  # (T, 1)
-        for block, scheme, window in zip(self.blocks, layers, self.windows):
-            x = block(x, contexts[(id(scheme), window)], log_n)
+        factor = None if self.attn_scale == "none" else temperature.factor(  # (T, 1)
+            self.attn_scale, idx.shape[1], self.scale_length, self.scale_beta, idx.device)
+        for block, scheme, window, scaled in zip(self.blocks, layers, self.windows, self.scaled):
+            x = block(x, contexts[(id(scheme), window)], factor if scaled else None)
         x = self.ln_f(x)  # (B, T, D)
         if targets is None:
             return self.head(x if last is None else x[:, -last:])  # (B, T, V) or (B, last, V)
@@ -297,11 +309,6 @@ class GPT(nn.Module):
         else:
             nll = nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), targets.flatten(), reduction="none")
         return nll.view(targets.shape)  # (B, T)
-
-    def _log_n(self, T: int, device) -> torch.Tensor:
-        """(T, 1) float64: ln n for n = 1 … T (``ssmax``), divided by ln L for ``log_n``."""
-        log_n = torch.arange(1, T + 1, device=device, dtype=torch.float64).log()[:, None]  # (T, 1)
-        return log_n / math.log(self.scale_length) if self.attn_scale == "log_n" else log_n
 
 
 def _windows(kinds: str, window: int | None, window_kind: str) -> list[Window | None]:

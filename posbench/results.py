@@ -29,6 +29,7 @@ import torch
 from posbench import context
 from posbench.report import retrieval
 from posbench.schemes import SCHEMES, variant_label
+from posbench.temperature import BETA, default_length
 from posbench.windows import Window
 
 SUPERSEDED = "superseded"  # a run folder's subfolder of an earlier model's outputs (resume=never); not reported
@@ -77,15 +78,28 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
 
 
 def tricks_label(config: dict) -> str:
-    """``+rand<M>``, ``+pose<L_t>`` (``+pose<L_t>n<N>`` for N chunks other than 2) and ``+log_n`` (``+log_n<L'>`` when
-    its ``model.scale_length`` is not the train length) or ``+ssmax`` for the tricks a config trains with; "" for none
-    (older records lack the keys: none)."""
-    train, model = config.get("train") or {}, config.get("model") or {}
-    scale, length = model.get("attn_scale") or "none", model.get("scale_length")
-    scale = "" if scale == "none" else f"+{scale}" + (str(length) if length not in (None, train.get("seq_len")) else "")
+    """``+rand<M>``, ``+pose<L_t>`` (``+pose<L_t>n<N>`` for N chunks other than 2), then the attention temperature
+    (:func:`temperature_label`): ``alibi+rand1024``, ``rope+floor_log_n-G``; "" for none (older records lack the keys:
+    none)."""
+    train = config.get("train") or {}
     pose = f"+pose{train['pose']}" + (f"n{train['pose_chunks']}" if train.get("pose_chunks", 2) != 2 else "") \
         if train.get("pose") else ""
-    return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + pose + scale
+    return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + pose + temperature_label(config)
+
+
+def temperature_label(config: dict) -> str:
+    """The attention temperature's part of a label (``model.attn_scale``: ``+log_n``, ``+ssmax``, ``+floor_log``,
+    ``+floor_log_n``, ``+log_n_clipped``), followed by its ``model.scale_length`` where that is not its default
+    (``+log_n256``), ``[beta=<β>]`` where β is not 0.1, and ``-G`` when it scales the G layers only
+    (``model.scale_layers=global``): ``+floor_log_n-G``; "" for none."""
+    seq_len, model = (config.get("train") or {}).get("seq_len"), config.get("model") or {}
+    scale, length = model.get("attn_scale") or "none", model.get("scale_length")
+    if scale == "none":
+        return ""
+    default = default_length(scale, seq_len) if seq_len else None
+    beta = model.get("scale_beta", BETA)
+    return (f"+{scale}" + (str(length) if length not in (None, default) else "")
+            + (f"[beta={beta:g}]" if beta != BETA else "") + ("-G" if model.get("scale_layers") == "global" else ""))
 
 
 def layers_label(config: dict) -> str:

@@ -220,8 +220,9 @@ def test_every_closed_choice_is_declared_on_its_field():
     """The choices finalize checks are the fields' own (``choices(...)``: field metadata), each declared once."""
     import dataclasses
 
-    from posbench.attention import ATTN_SCALES, QK_NORM_LAYERS, QK_NORMS
+    from posbench.attention import QK_NORM_LAYERS, QK_NORMS
     from posbench.config import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.temperature import ATTN_SCALES, SCALE_LAYERS
     from posbench.windows import WINDOW_KINDS
 
     def declared(schema, prefix=""):
@@ -234,7 +235,8 @@ def test_every_closed_choice_is_declared_on_its_field():
     assert dict(declared(PosbenchConfig)) == {
         "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
         "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS,
-        "model.window_kind": WINDOW_KINDS, "model.qk_norm": QK_NORMS, "model.qk_norm_layers": QK_NORM_LAYERS}
+        "model.window_kind": WINDOW_KINDS, "model.qk_norm": QK_NORMS, "model.qk_norm_layers": QK_NORM_LAYERS,
+        "model.scale_layers": SCALE_LAYERS}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -243,7 +245,8 @@ def test_every_closed_choice_is_declared_on_its_field():
     (["resume=sometimes"], "resume='sometimes' is unknown; choose one of: auto, never"),
     (["train.precision=fp16"], "train.precision='fp16' is unknown; choose one of: auto, fp32, bf16"),
     (["init_rows=copy"], "init_rows='copy' is unknown; choose one of: scheme, interpolate"),
-    (["model.attn_scale=logn"], "model.attn_scale='logn' is unknown; choose one of: none, log_n, ssmax"),
+    (["model.attn_scale=logn"],
+     "model.attn_scale='logn' is unknown; choose one of: none, log_n, ssmax, floor_log, floor_log_n, log_n_clipped"),
     (["eval.probes=[passkey,contxt]"], "eval.probes has 'contxt'; the probes: passkey, context"),
 ])
 def test_a_value_outside_its_fields_choices_is_refused_naming_them(overrides, message, hydra_ctx):

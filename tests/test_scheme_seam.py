@@ -266,7 +266,8 @@ def test_model_spec_is_exact_and_resolved():
     assert build.model_spec(cfg, VOCAB) == {
         "vocab_size": VOCAB, "scheme": {"name": "learned", "max_positions": 320},  # 16·L
         "model": {"n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "dropout": 0.0, "attn_dropout": 0.0,
-                  "scale_embeddings": True, "attn_scale": "none", "scale_length": None, "layer_pattern": "G",
+                  "scale_embeddings": True, "attn_scale": "none", "scale_length": None, "scale_beta": 0.1,
+                  "scale_layers": "all", "layer_pattern": "G",
                   "global_scheme": None, "window": None, "window_kind": "sliding", "qk_norm": "none",
                   "qk_norm_layers": "all", "qk_norm_weight": True, "attn_sink": False}}
 

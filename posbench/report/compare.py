@@ -19,14 +19,16 @@ from pathlib import Path
 
 from posbench.config_checks import NEEDLE_FORMAT
 from posbench.report import stats
-from posbench.results import READABLE, SUPERSEDED, run_label
+from posbench.results import READABLE, SUPERSEDED, run_label, temperature_label
 from posbench.schemes import variant_label
+from posbench.temperature import ZERO_SHOT
 from posbench.upgrade import upgrade
 
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
            "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
 FT_KEYS = ("train.seq_len", "train.steps")  # what a fine-tuned run's label states (ft512×200)
-TRICK_KEYS = ("model.attn_scale", "model.scale_length", "train.random_positions", "train.pose",  # what every label
+TRICK_KEYS = ("model.attn_scale", "model.scale_length", "model.scale_beta", "model.scale_layers",  # what every label
+              "train.random_positions", "train.pose",
               "model.layer_pattern", "model.window", "model.global_scheme", "model.qk_norm", "model.attn_sink")  # states
 # (+rand2048, +LLLG(w32, G=nope); keys match as prefixes: model.window_kind, model.global_scheme.base, train.pose_chunks)
 TITLE_KEYS = ("eval.protocol", "eval.stride", "eval.split", "eval.max_tokens", "eval.lengths")  # in table titles
@@ -98,15 +100,21 @@ def origin_length(rec: dict) -> int:
 
 
 def _mark_reevaluations(run: list[dict]) -> None:
-    """Set ``applied`` on each record of one run folder that ``posbench eval`` made with other scheme options
-    (``scheme_overrides``): ``(the training record's run label, what the options add to the scheme's label)``, e.g.
-    ``("rope", "yarn×4")``, or the whole new variant where it does not extend the trained one (``("rope+yarn×2",
-    "rope+yarn×2.5")``); without the training record, the label is left as it is."""
+    """Set ``applied`` on each record of one run folder that ``posbench eval`` made with other scheme options or
+    another temperature (``scheme_overrides``, ``model_overrides``): ``(the training record's run label, what the
+    options add to its label)``, e.g. ``("rope", "yarn×4")``, ``("rope", "floor_log")``, or the whole new label where
+    it does not extend the trained one (``("rope+yarn×2", "rope+yarn×2.5")``); without the training record, the
+    label is left as it is."""
     trained = next((r for r in run if Path(r["path"]).name == "results.json"), None)
     for rec in run:
-        if rec.get("scheme_overrides") and trained is not None:
-            base, new = variant_label(trained["config"]["scheme"]), variant_label(rec["config"]["scheme"])
-            rec["applied"] = (label_of(trained), new[len(base) + 1:] if new.startswith(base + "+") else new)
+        if trained is None or not (rec.get("scheme_overrides") or rec.get("model_overrides")):
+            continue
+        base, new = variant_label(trained["config"]["scheme"]), variant_label(rec["config"]["scheme"])
+        parts = [new[len(base) + 1:] if new.startswith(base + "+") else new] if new != base else []
+        temperature = temperature_label(rec["config"])
+        if temperature != temperature_label(trained["config"]):
+            parts.append(temperature[1:] or "attn_scale=none")
+        rec["applied"] = (label_of(trained), "+".join(parts))
 
 
 def label_of(rec: dict) -> str:
@@ -234,6 +242,8 @@ IDLE = (  # (option or option prefix, whether a config uses that option): a run 
     ("train.pose_chunks", lambda c, k: bool(c["train"].get("pose"))),
     ("model.qk_norm_", lambda c, k: c["model"].get("qk_norm", "none") != "none"),
     ("model.window_kind", lambda c, k: bool(c["model"].get("window"))),
+    ("model.scale_beta", lambda c, k: c["model"].get("attn_scale", "none") in ("floor_log", "floor_log_n")),
+    ("model.scale_layers", lambda c, k: c["model"].get("attn_scale", "none") in ZERO_SHOT),
     ("scheme.beta_", lambda c, k: c["scheme"].get("scaling") == "yarn"),
     ("scheme.yarn_ramp", lambda c, k: c["scheme"].get("scaling") == "yarn"),
     ("scheme.low_freq_factor", lambda c, k: c["scheme"].get("scaling") == "llama3"),
