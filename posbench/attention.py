@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench import flex
+from posbench import remap as remapping
 from posbench.blockwise import (
     FOLD_QUERIES,
     banded,
@@ -81,6 +82,7 @@ from posbench.blockwise import (
     windowed_table,
     with_sink,
 )
+from posbench.remap import Remap
 from posbench.schemes.base import PositionalScheme
 from posbench.windows import Window, from_chunks, to_chunks
 
@@ -88,7 +90,7 @@ BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys float
 CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
 CONTEXT_ELEMENTS_CUDA = 1 << 26  # the same on a GPU, 256 MiB: blocks of a CPU's size leave a GPU launch-bound
 WINDOW_QUERIES = 64  # banded with a window: queries per block, each against its block and the W − 1 keys before it
-KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual")
+KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual", "remap")
 QK_NORMS = ("none", "rms")  # model.qk_norm: each head's q and k normalised before the rotation (model.GPT)
 QK_NORM_LAYERS = ("all", "local")  # model.qk_norm_layers: every layer, or the L layers of model.layer_pattern
 log = logging.getLogger("posbench")
@@ -130,6 +132,8 @@ class Context:
             ``rotation`` (of all T positions: q and k turn by their own) then describes one chunk, positions ``pos[:C]``.
         sink: the layers of this context add a learned sink logit to each softmax (:func:`attend`'s ``sink``).
         pad: flex on CPU: the zero rows q, k and v get after their T (``flex.cpu_padding``), later keys to every query.
+        remap: remap: the evaluation's method (posbench/remap.py), and ``tables`` its per-region rotations or bias
+            positions (``remap.prepare``); the layers then pass q and k unrotated.
     """
 
     scheme: PositionalScheme
@@ -151,11 +155,13 @@ class Context:
     chunk: int | None = None
     sink: bool = False
     pad: int = 0
+    remap: Remap | None = None
+    tables: list | None = None
 
 
 def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32,
             dropout: float = 0.0, kernel: str | None = None, span: int | None = None, window: Window | None = None,
-            sink: bool = False) -> Context:
+            sink: bool = False, remap: Remap | None = None) -> Context:
     """The attention context of one forward pass over positions ``pos`` (T,) int64.
 
     Args:
@@ -168,6 +174,8 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             where a per-distance table needs it (a host sync, and a graph break under torch.compile).
         window: the layers' window (posbench/windows.py), or None: causal attention over every earlier key.
         sink: the layers add a learned sink logit to each softmax (:func:`attend`).
+        remap: an evaluation's training-free extension (posbench/remap.py): the ``remap`` kernel, without gradients,
+            a window, dropout or a scheme whose positions depend on the content.
     Raises:
         ValueError: an unknown ``kernel``; ``causal`` with a sliding window, or with a sink except when evaluating
             on CPU;
@@ -180,6 +188,12 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
     T, device, grad = pos.numel(), pos.device, torch.is_grad_enabled()
     if torch.is_autocast_enabled(device.type):  # q and k will be in the autocast dtype
         dtype = torch.get_autocast_dtype(device.type)
+    if remap is not None:
+        if grad or dropout or window is not None or scheme.contextual:
+            raise ValueError("a remap evaluates (no gradients, no dropout) a model without windows, of a scheme whose "
+                             "positions are not the content's")
+        return Context(scheme, pos, None, "remap", sink=sink, remap=remap,
+                       tables=remapping.prepare(scheme, remap, T, dtype, device))
     window = window if window is not None and window.binds(T) else None
     per_distance = scheme.has_bias and (scheme.distance_table or _invariant_here(scheme, pos, device, grad))  # by i − j
     if window is not None and window.kind == "chunked" and _chunkable(scheme, per_distance, pos, span):
@@ -343,7 +357,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context,
     with ``sink`` (H,), each softmax's denominator also holds exp(sink_h) (a learned logit with no value: GPT-OSS's
     attention sinks), so that a query may attend to nothing.
 
-    q, k, v: (B, H, T, Dh), q and k already rotated where the scheme rotates → (B, H, T, Dh).
+    q, k, v: (B, H, T, Dh), q and k already rotated where the scheme rotates (not for ``remap``: it turns them per
+    region) → (B, H, T, Dh).
     """
     if ctx.sink != (sink is not None):
         raise ValueError(f"the context was built {'with' if ctx.sink else 'without'} a sink, and attend got "
@@ -370,6 +385,8 @@ def _run(q, k, v, ctx: Context, sink: torch.Tensor | None) -> torch.Tensor:
         return _flex_attend(q, k, v, ctx, sink)
     if ctx.kernel == "contextual":
         return _contextual(q, k, v, ctx, sink)
+    if ctx.kernel == "remap":
+        return remapping.attend(q, k, v, ctx.scheme, ctx.remap, ctx.tables, sink)
     return _dense(q, k, v, ctx, sink)
 
 

@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from posbench import config_checks as checks
 from posbench import context, passkey
+from posbench import remap as remapping
 from posbench.attention import QK_NORM_LAYERS, QK_NORMS
 from posbench.config_checks import (  # noqa: F401
     ConfigError,
@@ -144,6 +145,8 @@ class EvalConfig:
     probe_every: int = 0  # training steps between passkey probes at L and the longest probe length; 0 = none
     passkey: passkey.Config = field(default_factory=passkey.Config)  # the probe owns its options and their checks
     context: context.Config = field(default_factory=context.Config)  # context use past L (posbench/context.py)
+    remap: str = choices(*remapping.METHODS)  # training-free extension (posbench/remap.py): posbench eval only
+    remap_options: remapping.Options = field(default_factory=remapping.Options)  # its parameters; None = defaults
 
 
 @dataclass
@@ -302,6 +305,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         checks.training_data_inert(cfg.data, DataConfig())
     checks.model_values(cfg.model, trained_length or t.seq_len)
     checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
+    checks.remap_values(cfg.eval, cfg.model, s.name, t.seq_len, training)
     checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)
     longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen
     try:

@@ -22,7 +22,7 @@ import math
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from posbench import context, passkey
+from posbench import context, passkey, remap
 from posbench.device import native_bf16_cpu, resolve_device
 from posbench.schemes import SCHEMES, PositionalScheme
 from posbench.temperature import BETA, ZERO_SHOT, default_length, first_scaled
@@ -284,6 +284,28 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
         if e.stride < 1 or e.stride > min(e.lengths):
             raise ConfigError(f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest "
                               f"evaluation length {min(e.lengths)}")
+
+
+def remap_values(e: DictConfig, m: DictConfig, scheme: str, seq_len: int, training: bool) -> None:
+    """``eval.remap`` and its ``eval.remap_options`` (filled with the method's defaults and checked by
+    posbench/remap.py): only in a re-evaluation (``posbench eval``), not on a scheme whose positions are the content's
+    (CoPE) or a model with windows; options without a method refused."""
+    method = e.remap
+    if method != "none" and training:
+        raise ConfigError(f"eval.remap={method} applies to a trained run: posbench eval run=<run folder> "
+                          f"eval.remap={method}")
+    if method != "none" and SCHEMES[scheme].contextual:
+        raise ConfigError(f"eval.remap={method} remaps positions per (query, key) pair, and scheme={scheme} computes its "
+                          "positions from the content: choose another scheme's run")
+    if method == "leaky_rerope" and scheme == "t5":
+        raise ConfigError("eval.remap=leaky_rerope reads fractional distances past its window, and scheme=t5's buckets "
+                          "take whole ones: choose eval.remap=rerope for a T5 run")
+    if method != "none" and m.window is not None:
+        raise ConfigError(f"eval.remap={method} and model.window={m.window}: a remap runs on models without windows")
+    try:
+        remap.check(method, e.remap_options, seq_len, max(e.lengths))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def training_positions(t: DictConfig, schemes: list[str], e: DictConfig) -> None:

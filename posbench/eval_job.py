@@ -29,6 +29,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from posbench import build, checkpoint, context, data, dist, passkey, results
+from posbench import remap as remapping
 from posbench.config import ConfigError, EvalJobConfig, PosbenchConfig, check_device, check_keys, finalize, scheme_schema, to_dict
 from posbench.device import flush_denormals_from_now, resolve_device, set_threads
 from posbench.evaluate import evaluate
@@ -50,7 +51,8 @@ class EvalJob:
         config: the run's config with the job's ``eval.*`` and changed scheme options in place, finalized.
         state: the run's checkpoint (``posbench.checkpoint.read``).
         corpus: the run's corpus, its evaluation split checked against the lengths.
-        model: the model, built with the changed options, the trained weights loaded, on the CPU.
+        model: the model, built with the changed options, the trained weights loaded, on the CPU; its ``remap`` the
+            evaluation's training-free extension (``eval.remap``: posbench/remap.py), or None.
         overrides: ``{"scheme": {...}, "model": {...}}``, the scheme options and temperature options that differ from
             the trained model's spec, each section only where one does (``{}``: the model as trained).
         run_dir: the run folder. device, threads: where to compute (``device`` checked, not yet resolved).
@@ -107,6 +109,7 @@ def prepare(job: DictConfig) -> EvalJob:
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"], to_dict(cfg.model), trained.get("model") or {})
     model = _trained_model(state, trained, overrides, {**{f"scheme.{k}": v for k, v in given.items()},
                                                        **{f"model.{k}": v for k, v in temperature.items()}})
+    model.remap = remapping.of(cfg.eval.remap, cfg.eval.remap_options)  # None, or every layer's remapped attention
     corpus = prepare_data(cfg)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
     return EvalJob(cfg, state, corpus, model, overrides, Path(job.run), job.device, job.threads, needle)

@@ -104,7 +104,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
         if self.q_norm is not None:  # x / rms(x) per head, before the rotation (which keeps each head's norm)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.scheme.rotate(q, k, ctx.rotation)
+        if ctx.remap is None:  # (a remap turns q and k per region, in its kernel)
+            q, k = ctx.scheme.rotate(q, k, ctx.rotation)
         if factor is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
             if hasattr(self, "ssmax"):
                 factor = self.ssmax[:, None, None] * factor.to(self.ssmax.dtype)  # (H, T, 1)
@@ -231,6 +232,7 @@ class GPT(nn.Module):
                              "needs a zero-shot attn_scale and a layer_pattern with L and G layers")
         self.n_head, self.attn_dropout = n_head, attn_dropout
         self.attn_scale, self.scale_length, self.scale_beta = attn_scale, scale_length, scale_beta
+        self.remap = None  # an evaluation's training-free extension (posbench/remap.py), set after the model is built
         self.scaled = [attn_scale != "none" and (scale_layers == "all" or kind == "G") for kind in kinds]  # per layer
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -294,7 +296,7 @@ class GPT(nn.Module):
         for s, window in zip(layers, self.windows):  # (a loop: torch.compile cannot resume a comprehension after a
             if (id(s), window) not in contexts:  # graph break)
                 contexts[(id(s), window)] = attention.context(s, pos, self.n_head, x.dtype, dropout, span=span,
-                                                              window=window, sink=sink)
+                                                              window=window, sink=sink, remap=self.remap)
         factor = None if self.attn_scale == "none" else temperature.factor(  # (T, 1)
             self.attn_scale, idx.shape[1], self.scale_length, self.scale_beta, idx.device)
         for block, scheme, window, scaled in zip(self.blocks, layers, self.windows, self.scaled):

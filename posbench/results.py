@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from posbench import context
+from posbench import context, remap
 from posbench.report import retrieval
 from posbench.schemes import SCHEMES, variant_label
 from posbench.temperature import BETA, default_length
@@ -69,8 +69,9 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``).
     Hybrid layers follow the scheme's label (:func:`layers_label`: ``rope+LLLG(w32, G=nope)``), then training-side
     tricks: randomized positions (``+rand<M>``, ``train.random_positions``), PoSE (``+pose<L_t>``, ``train.pose``)
-    and length-dependent attention scaling (``+log_n``, ``+ssmax``, ``model.attn_scale``): ``alibi+rand1024``."""
-    label = variant_label(config["scheme"]) + layers_label(config) + tricks_label(config)
+    and length-dependent attention scaling (``+log_n``, ``+ssmax``, ``model.attn_scale``): ``alibi+rand1024``; last, an
+    evaluation's training-free extension (:func:`remap_label`: ``rope@rerope(w16)``)."""
+    label = variant_label(config["scheme"]) + layers_label(config) + tricks_label(config) + remap_label(config)
     if not lineage:
         return label
     changed = f"{lineage['scheme']}→" if lineage.get("scheme") not in (None, config["scheme"]["name"]) else ""
@@ -85,6 +86,17 @@ def tricks_label(config: dict) -> str:
     pose = f"+pose{train['pose']}" + (f"n{train['pose_chunks']}" if train.get("pose_chunks", 2) != 2 else "") \
         if train.get("pose") else ""
     return (f"+rand{train['random_positions']}" if train.get("random_positions") else "") + pose + temperature_label(config)
+
+
+def remap_label(config: dict) -> str:
+    """``@<method>(<parameters>)`` for an evaluation with a training-free extension (``eval.remap``,
+    posbench/remap.py): ``rope@self_extend(W32,G32)``; "" for none (older records lack the key: none)."""
+    e = config.get("eval") or {}
+    options = e.get("remap_options") or {}
+    method = e.get("remap") or "none"
+    if method == "none":
+        return ""
+    return "@" + remap.Remap(method, **{k: options[k] for k in remap.PARAMETERS[method]}).label()
 
 
 def temperature_label(config: dict) -> str:

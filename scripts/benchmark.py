@@ -81,10 +81,11 @@ import torch
 import torch._dynamo
 
 import posbench
-from posbench.attention import ATTN_SCALES
+from posbench import remap
 from posbench.build import build_model
 from posbench.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES, PositionalScheme
+from posbench.temperature import ATTN_SCALES, default_length
 
 BASELINE = "nope"  # causal SDPA, no positions
 EVAL_TIME_X, EVAL_MEM_X, STEP_X_ROPE, CEILING_FRACTION = 1.5, 2.0, 1.10, 0.60
@@ -95,6 +96,8 @@ SCALED = ("rope+log_n", "rope+ssmax", "alibi+log_n", "alibi+ssmax")  # default c
 HYBRIDS = ("rope/L:w32", "rope/L:c32", "alibi/L:w32", "t5/L:w32", "rope/LLLG:w32:G=nope", "rope/LLLG:c32:G=nope",
            "rope/LG:w32:sink")  # --hybrids: windowed models (every layer, L), and hybrids' layers
 WINDOW_TOKEN_X = 1.2  # a windowed model's time per token at 16L over its time per token at L
+REMAPS = tuple(f"{s}@{m}" for s in ("rope", "alibi") for m in remap.METHODS[1:])  # --remaps: eval.remap's methods
+REMAP_TIME_X = {"bias": 1.5, "rotary": 2.5}  # at 16L against nope's (DCA's three rotary regions: reported, no target)
 MEM_FLOOR = 1 << 20  # bytes: a smaller growth counts as this much in ratios
 N = 1024  # matmul ceiling size on CPU
 N_CUDA = 8192  # matmul ceiling size on CUDA: compute-bound (1024³ is launch-bound on a GPU)
@@ -128,6 +131,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help=f"of {', '.join(SCHEMES)}, each optionally with +{' or +'.join(ATTN_SCALES[1:])} "
                         f"(model.attn_scale); default: all, and {' '.join(SCALED)} (nope, the baseline, is always added)")
     p.add_argument("--hybrids", action="store_true", help=f"add the windowed and hybrid cases {' '.join(HYBRIDS)}")
+    p.add_argument("--remaps", nargs="*", type=case_name, metavar="SCHEME@METHOD",
+                   help=f"evaluate these training-free extensions (eval.remap; none given: {' '.join(REMAPS)})")
     p.add_argument("--repeats", type=int, default=3, help="timings per evaluation case; the median is kept")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
@@ -139,13 +144,18 @@ def parse(argv=None) -> argparse.Namespace:
     args.lengths = args.lengths or [args.seq_len * 2**k for k in range(7)]
     args.schemes = [BASELINE] + [s for s in dict.fromkeys([*args.schemes, *(HYBRIDS if args.hybrids else ())])
                                  if s != BASELINE]
+    args.remaps = [] if args.remaps is None else args.remaps or list(REMAPS)
     return args
 
 
 def case_name(text: str) -> str:
     """A benchmark case: a registered scheme, optionally ``+log_n`` or ``+ssmax``, optionally ``/<layers>``
-    (:func:`layers_of`) (argparse's type check)."""
-    head, _, layers = text.partition("/")
+    (:func:`layers_of`), optionally ``@<method>`` (``eval.remap``, evaluated with its defaults) (argparse's type
+    check)."""
+    text_, _, method = text.partition("@")
+    if method and method not in remap.METHODS[1:]:
+        raise argparse.ArgumentTypeError(f"{text!r}: a remap of {', '.join(remap.METHODS[1:])} after @")
+    head, _, layers = text_.partition("/")
     scheme, _, scale = head.partition("+")
     if scheme not in SCHEMES or (scale and scale not in ATTN_SCALES[1:]):
         raise argparse.ArgumentTypeError(f"{text!r}: a scheme of {', '.join(SCHEMES)}, optionally "
@@ -179,34 +189,43 @@ def layers_of(text: str) -> dict:
 
 
 def make_model(args, case: str) -> torch.nn.Module:
-    """The model of a case ``scheme[+scale][/layers]`` (model.attn_scale ``scale``, log-n's L the benchmark's L; the
-    layers' options: :func:`layers_of`), seed 0."""
+    """The model of a case ``scheme[+scale][/layers][@method]`` (model.attn_scale ``scale``, its length the default
+    of the benchmark's L; the layers' options: :func:`layers_of`; the remap ``method`` with its defaults for L and the
+    longest length), seed 0."""
     torch.manual_seed(0)
+    case, _, method = case.partition("@")
     head, _, layers = case.partition("/")
     scheme, _, scale = head.partition("+")
+    length = default_length(scale, args.seq_len) if scale not in ("", "ssmax") else None
     spec = {"vocab_size": args.vocab, "scheme": {"name": scheme},
             "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model, "d_ff": 4 * args.d_model,
-                      "attn_scale": scale or "none", "scale_length": args.seq_len if scale == "log_n" else None,
-                      **layers_of(layers)}}
+                      "attn_scale": scale or "none", "scale_length": length, **layers_of(layers)}}
     config = SCHEMES[scheme].make_config()  # with the options posbench train derives from L (CoPE's npos)
     config.fill(args.seq_len)
     spec["scheme"].update(dataclasses.asdict(config))
     if scheme == "learned":  # a table row for every evaluation position
         spec["scheme"]["max_positions"] = max(*args.lengths, args.seq_len)
-    return build_model(spec).to(args.device)
+    model = build_model(spec).to(args.device)
+    if method:
+        model.remap = remap.Remap(method, **remap.defaults(method, args.seq_len, max(args.lengths)))
+    return model
+
+
+def scheme_of(case: str) -> str:
+    return case.partition("@")[0].partition("/")[0].partition("+")[0]
 
 
 def has_bias(case: str) -> bool:  # the class attribute; before it existed, an overridden ``bias`` hook
-    scheme = case.partition("/")[0].partition("+")[0]
+    scheme = scheme_of(case)
     return getattr(SCHEMES[scheme], "has_bias", getattr(SCHEMES[scheme], "bias", 0) is not getattr(PositionalScheme, "bias", 0))
 
 
 def contextual(case: str) -> bool:  # a content-dependent bias (CoPE): the contextual kernel, no evaluation target
-    return getattr(SCHEMES[case.partition("/")[0].partition("+")[0]], "contextual", False)
+    return getattr(SCHEMES[scheme_of(case)], "contextual", False)
 
 
 def windowed(case: str) -> bool:  # every layer local with a window: its evaluation's cost per token is flat in T
-    layers = layers_of(case.partition("/")[2])
+    layers = layers_of(case.partition("@")[0].partition("/")[2])
     return set(layers.get("layer_pattern", "G")) == {"L"} and "window" in layers
 
 
@@ -398,6 +417,38 @@ def run_case(args, argv, scheme: str, n: int) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def remap_cases(args, argv, targets: list, nope_growth: dict) -> dict:
+    """Each ``--remaps`` case evaluated at every length (its training is its scheme's), timed in turn with nope's, its
+    memory growth over nope's (``nope_growth``: bytes by length), its targets at 16L (:data:`REMAP_TIME_X`, memory
+    growth :data:`EVAL_MEM_X`; DCA reported only), printed as a table."""
+    L, ev = args.seq_len, {s: {} for s in args.remaps}
+    for n in args.lengths:
+        for s in args.remaps:
+            ev[s][n] = run_case(args, argv, s, n)
+    if not ev:
+        return ev
+    w = max(11, 1 + max(map(len, ev)))
+    print(f"\n{'remap':<{w}}| eval time ×nope / peak memory growth ×nope at T =\n{'':<{w}}|"
+          + "".join(f"{n:>12}" for n in args.lengths))
+    for s, by_length in ev.items():
+        row = ""
+        for n, r in by_length.items():
+            r["mem_x_nope"] = max(r["peak_growth_bytes"], MEM_FLOOR) / max(nope_growth[n], MEM_FLOOR)
+            cell = f"{r['time_x_nope']:.2f}"
+            if n == 16 * L and not s.endswith("@dca"):
+                limit = REMAP_TIME_X["bias" if has_bias(s) else "rotary"]
+                cell += MARK[check(targets, f"remap eval time at 16L <= {limit}x nope's", s, r["time_x_nope"], limit,
+                                   length=n)]
+                cell += f"/{r['mem_x_nope']:.2f}" + MARK[check(targets, f"remap eval memory growth at 16L <= "
+                                                                 f"{EVAL_MEM_X}x nope's", s, r["mem_x_nope"],
+                                                                 EVAL_MEM_X, length=n)]
+            else:
+                cell += f"/{r['mem_x_nope']:.2f}"
+            row += f"{cell:>12}"
+        print(f"{s:<{w}}|{row}")
+    return ev
+
+
 def machine(args) -> dict:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -507,6 +558,7 @@ def main(argv=None) -> dict | None:
         x, ok = ev[s].get(16 * L, {}).get("token_x_at_L"), marks.get((s, 16 * L), (None,))[0]
         if x is not None:
             print(f"{s}: time per token at 16L / at L = {x:.2f} {MARK[ok]} (target <= {WINDOW_TOKEN_X})")
+    remapped = remap_cases(args, argv, targets, {n: ev[BASELINE][n]["peak_growth_bytes"] for n in args.lengths})
     print("nope eval seconds at T: " + ", ".join(f"{n}: {ev[BASELINE][n]['seconds']:.3g}" for n in args.lengths))
     print(f"targets met: {sum(t['met'] for t in targets)} of {len(targets)}")
     changed = {source_digest(), *(e["source"] for v in ev.values() for e in v.values())} != {info["source"]}
@@ -521,6 +573,7 @@ def main(argv=None) -> dict | None:
                         "n_params": n_params, "per_token": per_token},
               "train": tr, "alibi_step_x_rope": alibi_x_rope,
               "eval": {s: {str(n): r for n, r in v.items()} for s, v in ev.items()},
+              "remaps": {s: {str(n): r for n, r in v.items()} for s, v in remapped.items()},
               "targets": targets, "all_targets_met": all(t["met"] for t in targets), "source_changed": changed}
     if args.out:
         with open(args.out, "w") as f:

@@ -37,7 +37,8 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     assert proc.returncode == (0 if r["all_targets_met"] else 1)  # a missed target fails the run
     assert set(r) == {"machine", "settings", "matmul_ceiling_gflops", "matmul_seconds_all", "ceiling_matmul", "flops", "train",
                       "alibi_step_x_rope", "eval", "targets", "all_targets_met", "source_changed", "peak",
-                      "dynamo_in_timed_steps"}
+                      "dynamo_in_timed_steps", "remaps"}
+    assert r["remaps"] == {}  # without --remaps
     # the CPU ceiling as before (1024³ fp32, one sample per round of steps), no datasheet peak, nothing compiled
     assert r["ceiling_matmul"] == "1024x1024 @ 1024x1024 fp32" and len(r["matmul_seconds_all"]) == 1
     assert r["peak"] is None and r["dynamo_in_timed_steps"] is None
@@ -109,6 +110,29 @@ def test_windowed_and_hybrid_cases(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         load_benchmark().parse([*TINY, "--schemes", "rope/LG:x2"])
     assert bad.value.code == 2 and "'x2'" in capsys.readouterr().err
+
+
+def test_remap_cases(tmp_path, capsys):
+    """``--remaps rope@rerope alibi@self_extend dca``-like cases are evaluated only (their training is their scheme's),
+    beside nope's, with their targets at 16L: a rotary remap 2.5× nope's time, a bias one 1.5×, both 2× its memory
+    growth; DCA's three rotary regions are reported without a target; a method the parser does not know is refused."""
+    out = tmp_path / "bench.json"
+    args = [*TINY, "--schemes", "rope", "--remaps", "rope@rerope", "alibi@self_extend", "rope@dca",
+            "--lengths", "4", "64", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert proc.returncode == (0 if r["all_targets_met"] else 1), proc.stderr[-3000:]
+    assert list(r["train"]) == ["nope", "rope"] and list(r["remaps"]) == ["rope@rerope", "alibi@self_extend", "rope@dca"]
+    assert all(positive(e["time_x_nope"]) and positive(e["mem_x_nope"]) for v in r["remaps"].values() for e in v.values())
+    limits = sorted((t["scheme"], t["target"].split(" <= ")[0], t["limit"]) for t in r["targets"] if "@" in t["scheme"])
+    assert limits == [("alibi@self_extend", "remap eval memory growth at 16L", 2.0),
+                      ("alibi@self_extend", "remap eval time at 16L", 1.5),
+                      ("rope@rerope", "remap eval memory growth at 16L", 2.0), ("rope@rerope", "remap eval time at 16L", 2.5)]
+    assert "rope@dca" in proc.stdout
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        load_benchmark().parse([*TINY, "--remaps", "rope@rerop"])
+    assert bad.value.code == 2 and "'rope@rerop'" in capsys.readouterr().err
 
 
 def load_benchmark():

@@ -222,6 +222,7 @@ def test_every_closed_choice_is_declared_on_its_field():
 
     from posbench.attention import QK_NORM_LAYERS, QK_NORMS
     from posbench.config import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.remap import METHODS
     from posbench.temperature import ATTN_SCALES, SCALE_LAYERS
     from posbench.windows import WINDOW_KINDS
 
@@ -236,7 +237,7 @@ def test_every_closed_choice_is_declared_on_its_field():
         "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
         "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS,
         "model.window_kind": WINDOW_KINDS, "model.qk_norm": QK_NORMS, "model.qk_norm_layers": QK_NORM_LAYERS,
-        "model.scale_layers": SCALE_LAYERS}
+        "model.scale_layers": SCALE_LAYERS, "eval.remap": METHODS}
 
 
 @pytest.mark.parametrize("overrides, message", [

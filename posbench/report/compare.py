@@ -19,7 +19,7 @@ from pathlib import Path
 
 from posbench.config_checks import NEEDLE_FORMAT
 from posbench.report import stats
-from posbench.results import READABLE, SUPERSEDED, run_label, temperature_label
+from posbench.results import READABLE, SUPERSEDED, remap_label, run_label, temperature_label
 from posbench.schemes import variant_label
 from posbench.temperature import ZERO_SHOT
 from posbench.upgrade import upgrade
@@ -118,11 +118,13 @@ def _mark_reevaluations(run: list[dict]) -> None:
 
 
 def label_of(rec: dict) -> str:
-    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``); a
-    re-evaluation with other scheme options (``applied``: :func:`_mark_reevaluations`) names the run it was applied
-    to: ``rope (yarn×4 at eval)``."""
+    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``,
+    ``rope@rerope(w16)``); a re-evaluation with other scheme options or a temperature (``applied``:
+    :func:`_mark_reevaluations`) names the run it was applied to, then its remap: ``rope (yarn×4 at eval)``,
+    ``rope@rerope(w16) (log_n_clipped at eval)``."""
     if rec.get("applied"):
-        return "{} ({} at eval)".format(*rec["applied"])
+        trained, parts = rec["applied"]
+        return f"{trained}{remap_label(rec['config'])} ({parts} at eval)"
     return run_label(rec["config"], rec.get("lineage"))
 
 

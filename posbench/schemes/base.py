@@ -4,8 +4,10 @@ Every scheme is a :class:`PositionalScheme` that overrides one kind of hook (doc
 
 * ``embed(x, pos)``                      additive absolute positions (sinusoidal, learned)
 * ``rotation(pos, dtype)`` and
-  ``rotate(q, k, rotation)``             rotary positions applied to queries and keys (RoPE, xPos): the tables are
-                                         computed once per forward pass, then applied in every layer
+  ``rotate(q, k, rotation)``             rotary positions applied to queries and keys (RoPE, xPos), with
+                                         ``rotary = True``: the tables are computed once per forward pass, then
+                                         applied in every layer (queries and keys at different positions: tables
+                                         of one ``centre``, the keys' given as ``key_rotation``)
 * ``score_mod(score, h, q_pos, k_pos)``  an additive attention bias (ALiBi, T5, KERPLE, Sandwich, FIRE), with
                                          ``has_bias = True``
 * ``contextual_bias(q, scores)``         a bias computed from the queries and their scores (CoPE), with
@@ -81,6 +83,9 @@ class PositionalScheme(nn.Module):
         far_constant: a ``distance_table`` bias that is the same for every distance from :attr:`far_distance` on
             (T5 past ``max_distance``): CPU evaluation then attends to those keys without a bias and adds the
             head's constant to their log-sum-exp (the ``banded`` kernel). False here.
+        rotary: ``rotation`` and ``rotate`` turn queries and keys by their positions (RoPE, p-RoPE, xPos): an
+            evaluation that remaps positions per (query, key) pair (posbench/remap.py) turns them once per region.
+            False here.
         weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
         fine_tune_options: the options a run started from this scheme's trained weights (``init_from``,
             posbench/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
@@ -99,6 +104,7 @@ class PositionalScheme(nn.Module):
     invariant_below_limit: bool = False
     far_constant: bool = False
     contextual: bool = False
+    rotary: bool = False
     weight_decay: bool = False
     fine_tune_options: tuple[str, ...] = ()  # options a run started from this scheme's weights may change (init_from)
 
@@ -183,15 +189,19 @@ class PositionalScheme(nn.Module):
         """x: (B, T, D) token embeddings, pos: (T,) int64 → (B, T, D)."""
         return x
 
-    def rotation(self, pos: torch.Tensor, dtype: torch.dtype) -> object:
-        """pos: (T,) int64 → whatever :meth:`rotate` needs for these positions (RoPE: cos and sin tables),
-        computed once per forward pass and shared by every layer; None for a scheme that does not rotate.
-        ``dtype`` is the activations' dtype (float32, or float64 in a reference computation)."""
+    def rotation(self, pos: torch.Tensor, dtype: torch.dtype, centre: float | None = None) -> object:
+        """pos: (T,) int64 (or float64: remapped positions, posbench/remap.py) → whatever :meth:`rotate` needs for
+        these positions (RoPE: cos and sin tables), computed once per forward pass and shared by every layer; None
+        for a scheme that does not rotate. ``dtype`` is the activations' dtype (float32, or float64 in a reference
+        computation). ``centre``: where a scheme that scales by position (xPos) centres its scales, None: the middle
+        of ``pos``; tables for queries and keys at different positions are made with one centre."""
         return None
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, rotation: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: (B, H, T, Dh), rotation: what :meth:`rotation` returned for their positions → rotated
-        (q, k) of the same shapes."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rotation: object,
+               key_rotation: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, T, Dh), rotation: what :meth:`rotation` returned for their positions (``key_rotation``: for
+        the keys' positions where they differ from the queries', None: the same) → rotated (q, k) of the same
+        shapes."""
         return q, k
 
     def score_mod(self, score: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,7 @@ class _Rotary(PositionalScheme):
     Raises ValueError when a method is chosen but ``original_length`` was never filled with the train length."""
 
     Config = RotaryConfig
+    rotary = True
     fine_tune_options = ("base", "scaling", "factor", "beta_fast", "beta_slow", "original_length", "yarn_ramp",
                          "low_freq_factor", "high_freq_factor")  # the context-extension methods: a new base
     # (Xiong et al. 2023's ABF), PI, NTK, YaRN, Llama 3's
@@ -171,15 +172,16 @@ class RoPE(_Rotary):
         """(d/2,) float64: the frequencies θ_i = base^(−2i/d) the model trained with (before any scaling)."""
         return SCALINGS["none"](self.config, self.rotated, torch.empty(0))[0]
 
-    def rotation(self, pos, dtype):
-        """pos: (T,) → (cos, sin), each (T, d) in ``dtype``: angles p·θ_i of the scaling method in float64."""
+    def rotation(self, pos, dtype, centre=None):
+        """pos: (T,) → (cos, sin), each (T, d) in ``dtype``: angles p·θ_i of the scaling method in float64 (no centre:
+        a turn depends on the position alone)."""
         inv_freq, factor = self.frequencies(pos, self.rotated)  # (d/2,)
         cos, sin = rotary_tables(pos.to(torch.float64)[:, None] * inv_freq, factor)  # 2 × (T, d)
         return cos.to(dtype), sin.to(dtype)
 
-    def rotate(self, q, k, rotation):
-        cos, sin = rotation
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def rotate(self, q, k, rotation, key_rotation=None):
+        (cos, sin), (key_cos, key_sin) = rotation, key_rotation or rotation
+        return apply_rotary(q, cos, sin), apply_rotary(k, key_cos, key_sin)
 
 
 @register("p_rope")
@@ -252,15 +254,15 @@ class PRoPE(RoPE):
         inv_freq, factor = super().frequencies(pos, dim)  # (Dh/2,)
         return self.drop(inv_freq), factor
 
-    def rotation(self, pos, dtype):
+    def rotation(self, pos, dtype, centre=None):
         """pos: (T,) → RoPE's (cos, sin), each (T, Dh) in ``dtype``, with angle 0 on the dropped pairs; None (no
         rotation: NoPE exactly) when no pair is kept and the scaling method's attention factor is 1."""
         if self.kept == 0 and self.frequencies(pos, self.rotated)[1] == 1.0:
             return None
         return super().rotation(pos, dtype)
 
-    def rotate(self, q, k, rotation):
-        return (q, k) if rotation is None else super().rotate(q, k, rotation)
+    def rotate(self, q, k, rotation, key_rotation=None):
+        return (q, k) if rotation is None else super().rotate(q, k, rotation, key_rotation)
 
 
 @register("xpos")
@@ -297,17 +299,19 @@ class XPos(_Rotary):
         c, exponent = self.config, torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim  # 2i/Dh
         self.register_buffer("zeta", (exponent + c.gamma) / (1 + c.gamma), persistent=False)  # (Dh/2,)
 
-    def rotation(self, pos, dtype):
+    def rotation(self, pos, dtype, centre=None):
         """pos: (T,) → (cos_q, sin_q, cos_k, sin_k), each (T, Dh) in ``dtype``: RoPE's tables (in float64) times
-        ζ_i^((p − c)/B) for queries and ζ_i^(−(p − c)/B) for keys, c the middle of ``pos``."""
+        ζ_i^((p − c)/B) for queries and ζ_i^(−(p − c)/B) for keys, c = ``centre``, None: the middle of ``pos``."""
         p = pos.to(torch.float64)
         inv_freq, factor = self.frequencies(pos, self.head_dim)  # (Dh/2,)
         cos, sin = rotary_tables(p[:, None] * inv_freq, factor)  # 2 × (T, Dh)
-        centre = (p.min() + p.max()) / 2 if p.numel() else 0.0
+        if centre is None:
+            centre = (p.min() + p.max()) / 2 if p.numel() else 0.0
         scale = self.zeta ** ((p - centre)[:, None] / self.config.scale_base)  # (T, Dh/2)
         scale = torch.cat((scale, scale), dim=-1)  # (T, Dh)
         return tuple(t.to(dtype) for t in (cos * scale, sin * scale, cos / scale, sin / scale))
 
-    def rotate(self, q, k, rotation):
-        cos_q, sin_q, cos_k, sin_k = rotation
+    def rotate(self, q, k, rotation, key_rotation=None):
+        cos_q, sin_q, _, _ = rotation
+        _, _, cos_k, sin_k = key_rotation or rotation
         return apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)

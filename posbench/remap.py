@@ -1,0 +1,282 @@
+"""Training-free extension at evaluation (``eval.remap``): the methods deployed RoPE models use to run past their
+training length, each keeping every distance a model reads within what it trained on.
+
+Each method splits the causal pairs (query i, key j ≤ i; d = i − j; indices in the evaluation window) into regions,
+the pairs it hides in none, and scores region r at remapped positions (P_q^r(i), P_k^r(j)) — each a function of i or
+of j alone. The softmax runs once over every region's scores (:func:`attend`), so a query's attention is exactly
+one distribution over the keys it sees. For a rotary scheme a region's positions turn the query and the key
+(``scheme.rotation``/``rotate`` with separate key tables); for a bias scheme they are what the bias reads
+(``scheme.pair_bias``); NoPE and the schemes that add positions to the embeddings (sinusoidal, learned) read no
+position per pair, so only the method's mask applies to them.
+
+=============== ======================================================== ==================================================
+method          regions (d = i − j)                                      positions
+=============== ======================================================== ==================================================
+``streaming``   recent: d ≤ R; sinks: j < S, d > R; hidden: the rest     recent: (i, j); sinks: (min(i, S + R), j)
+``lm_infinite`` local: d < n_local; global: j < n_global, d ≥ n_local    local: (i, j); global: (d_max, 0)
+``rerope``      near: d < w; far: d ≥ w                                  near: (i, j); far: (w, 0)
+``leaky_rerope`` near: d < w; far: d ≥ w                                 near: (i, j); far: (w + (i − w)/k, j/k)
+``self_extend`` neighbours: d < W; grouped: d ≥ W                        (i, j); (⌊i/G⌋ + W − ⌊W/G⌋, ⌊j/G⌋)
+``dca``         intra: ⌊i/s⌋ = ⌊j/s⌋; successive: ⌊i/s⌋ = ⌊j/s⌋ + 1;     (i mod s, j mod s); (min(i mod s + s, c), j mod s);
+                inter: ⌊i/s⌋ ≥ ⌊j/s⌋ + 2 (s = c − w)                     (min(2s − 1, c), j mod s)
+=============== ======================================================== ==================================================
+
+Sources: StreamingLLM (Xiao et al. 2023; mit-han-lab/streaming-llm ``StartRecentKVCache`` and ``pos_shift``: a cache
+of S start and R recent tokens, the new token appended after it is trimmed, positions those in the cache); LM-Infinite
+(Han et al. 2023, Glaciohound/LM-Infinite: a Λ-shaped mask, the global keys unrotated and the query at d_max);
+ReRoPE and Leaky ReRoPE (Su 2023, bojone/rerope); Self-Extend (Jin et al. 2024, datamllab/LongLM
+``self_extend_patch``); Dual Chunk Attention (An et al. 2024, HKUNLP/ChunkLlama ``chunkllama_attn_replace``: chunk size
+c, local window w, keys at their position within a chunk of s = c − w; the paper's Eqs. 2, 5 and 7 cap at c − 1, its
+code at c, which this follows; the code's later temperature for lengths past L, which the paper's results do not use,
+is not part of it).
+
+    remap = Remap("self_extend", window=32, group=32)
+    model.remap = remap     # posbench/model.py: every layer's attention then runs :func:`attend`
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+METHODS = ("none", "streaming", "lm_infinite", "rerope", "leaky_rerope", "self_extend", "dca")  # eval.remap
+PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label order
+    "streaming": ("sinks", "recent"),
+    "lm_infinite": ("n_local", "n_global", "d_max"),
+    "rerope": ("window",),
+    "leaky_rerope": ("window", "leak"),
+    "self_extend": ("window", "group"),
+    "dca": ("chunk", "window"),
+}
+SHORT = {"sinks": "S", "recent": "R", "n_local": "local", "n_global": "global", "d_max": "dmax", "window": "w",
+         "leak": "k", "group": "G", "chunk": "c"}  # in labels: rope@rerope(w16)
+QUERIES = 128  # queries per block of :func:`attend`
+
+
+@dataclass(frozen=True)
+class Remap:
+    """One method with its parameters (see the module docstring; None where the method has no such parameter).
+
+    sinks, recent: StreamingLLM's S start tokens and R recent tokens. n_local, n_global, d_max: LM-Infinite's local
+    window, its global (starting) tokens and the distance the global ones are read at. window: ReRoPE's w, Leaky
+    ReRoPE's w, Self-Extend's neighbour window W, DCA's local window w. leak: Leaky ReRoPE's k ≥ 1 (the slope past w is
+    1/k). group: Self-Extend's group size G. chunk: DCA's chunk size c (its chunks of keys are s = c − w long).
+    """
+
+    method: str
+    sinks: Optional[int] = None
+    recent: Optional[int] = None
+    n_local: Optional[int] = None
+    n_global: Optional[int] = None
+    d_max: Optional[int] = None
+    window: Optional[int] = None
+    leak: Optional[float] = None
+    group: Optional[int] = None
+    chunk: Optional[int] = None
+
+    def label(self) -> str:
+        """``self_extend(W32,G32)``-like: the method and its parameters."""
+        parts = ",".join(f"{'W' if self.method == 'self_extend' and p == 'window' else SHORT[p]}{getattr(self, p):g}"
+                         for p in PARAMETERS[self.method])
+        return f"{self.method}({parts})"
+
+    def regions(self) -> int:
+        """The number of regions: 3 for DCA, 2 for every other method."""
+        return 3 if self.method == "dca" else 2
+
+    def region_of(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """i: (Q, 1), j: (1, K) int64 indices → (Q, K) int64: the region of each pair, −1 where the method hides the
+        key or it comes after the query."""
+        d = i - j
+        causal = d >= 0
+        if self.method == "dca":
+            behind = torch.div(i, self.period, rounding_mode="floor") - torch.div(j, self.period, rounding_mode="floor")
+            return torch.where(causal, behind.clamp(max=2), -1)  # 0 intra, 1 successive, 2 inter
+        if self.method == "streaming":
+            near, far = d <= self.recent, j < self.sinks
+        elif self.method == "lm_infinite":
+            near, far = d < self.n_local, j < self.n_global
+        else:
+            near, far = d < self.window, torch.ones_like(causal)
+        region = torch.where(near, 0, torch.where(far, 1, -1))
+        return torch.where(causal, region, -1)
+
+    def positions(self, region: int, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P_q (T,), P_k (T,)) float64: the positions of queries i = 0 … T − 1 and keys j = 0 … T − 1 in ``region``."""
+        n = torch.arange(T, device=device, dtype=torch.float64)
+        m = self.method
+        if m == "dca":
+            s, within = self.period, torch.remainder(n, self.period)
+            query = (within, (within + s).clamp(max=self.chunk), torch.full_like(n, min(2 * s - 1, self.chunk)))
+            return query[region], within
+        if region == 0:
+            return n, n
+        if m == "streaming":
+            return n.clamp(max=self.sinks + self.recent), n
+        if m == "lm_infinite":
+            return torch.full_like(n, self.d_max), torch.zeros_like(n)
+        if m == "rerope":
+            return torch.full_like(n, self.window), torch.zeros_like(n)
+        if m == "leaky_rerope":
+            return self.window + (n - self.window) / self.leak, n / self.leak
+        W, G = self.window, self.group  # self_extend
+        return torch.floor(n / G) + W - W // G, torch.floor(n / G)
+
+    @property
+    def period(self) -> int:
+        """DCA's s = c − w: the length of its chunks of keys."""
+        return self.chunk - self.window
+
+
+@dataclass
+class Options:
+    """``eval.remap_options``: the methods' parameters (:class:`Remap`'s), None = the method's default
+    (:func:`defaults`); a parameter of another method than ``eval.remap``'s is refused (:func:`check`)."""
+
+    sinks: Optional[int] = None
+    recent: Optional[int] = None
+    n_local: Optional[int] = None
+    n_global: Optional[int] = None
+    d_max: Optional[int] = None
+    window: Optional[int] = None
+    leak: Optional[float] = None
+    group: Optional[int] = None
+    chunk: Optional[int] = None
+
+
+def check(method: str, options, train_length: int, longest: int) -> None:
+    """Fill the parameters of ``method`` left None in ``options`` (an :class:`Options`, or the config node holding its
+    fields) with :func:`defaults`, and raise ValueError (``eval.remap_options.<name>=<value> …``) for a parameter of
+    another method, a count below 1 (a window, a group, tokens), Leaky ReRoPE's k below 1, Self-Extend's W not
+    divisible by G (the reference's prefill and decoding then disagree), and a window that reaches past the longest
+    evaluation length ``longest`` (the method would change nothing)."""
+    own = PARAMETERS.get(method, ())
+    for name in (f.name for f in fields(Options)):
+        value = getattr(options, name)
+        if value is not None and name not in own:
+            raise ValueError(f"eval.remap_options.{name}={value} is not a parameter of eval.remap={method} "
+                             f"({', '.join(own) or 'none'}): drop it")
+    filled = defaults(method, train_length, longest)
+    for name in own:
+        if getattr(options, name) is None:
+            setattr(options, name, filled[name])
+        value = getattr(options, name)
+        low = 1 if name != "sinks" else 0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or math.isnan(value):
+            raise ValueError(f"eval.remap_options.{name}={value!r} is not allowed: it must be a number >= {low}")
+        if name != "leak" and value != int(value):
+            raise ValueError(f"eval.remap_options.{name}={value!r} is not allowed: it counts tokens, give an integer")
+    if method == "dca" and options.window >= options.chunk:
+        raise ValueError(f"eval.remap_options.window={options.window} is not below eval.remap_options.chunk="
+                         f"{options.chunk}: DCA's chunks of keys are c − w long; give a smaller window")
+    reach = {"streaming": "recent", "lm_infinite": "n_local", "rerope": "window", "leaky_rerope": "window",
+             "self_extend": "window"}.get(method)
+    if method == "dca" and options.chunk - options.window >= longest:
+        raise ValueError(f"eval.remap_options.chunk={options.chunk} less the window {options.window} reaches the "
+                         f"longest evaluation length {longest}: eval.remap=dca would change nothing; give a smaller one")
+    if reach and getattr(options, reach) >= longest:
+        raise ValueError(f"eval.remap_options.{reach}={getattr(options, reach)} reaches the longest evaluation length "
+                         f"{longest}: eval.remap={method} would change nothing; give a smaller one")
+    if method == "self_extend" and options.window % options.group:
+        raise ValueError(f"eval.remap_options.window={options.window} is not divisible by eval.remap_options.group="
+                         f"{options.group}: Self-Extend's prefill and decoding agree only then; give a multiple of it")
+
+
+def of(method: str, options) -> Remap | None:
+    """The :class:`Remap` of ``method`` with its (checked) parameters from ``options``; None for ``none``."""
+    if method == "none":
+        return None
+    return Remap(method, **{name: getattr(options, name) for name in PARAMETERS[method]})
+
+
+def defaults(method: str, train_length: int, longest: int) -> dict:
+    """Each parameter's default for a model trained at L = ``train_length`` evaluated up to ``longest`` tokens, as the
+    papers set them for their models: StreamingLLM's 4 start tokens and a cache of L (R = L − 1 − S: the query's
+    farthest distance S + R stays below L); LM-Infinite's n_local = d_max = L and 10 global tokens; ReRoPE's
+    w = L/8 (512 at 4096) and Leaky ReRoPE's k = 16; Self-Extend's W = L/4 (1024 at 4096) and the smallest power of two
+    G that keeps every grouped position within L at ``longest`` (⌊(T − 1)/G⌋ + W − ⌊W/G⌋ ≤ L − 1); DCA's c = 3L/4 and
+    w = L/8 (ChunkLlama's ``chunk_size`` and ``local_window``)."""
+    L = train_length
+    if method == "streaming":
+        return {"sinks": 4, "recent": L - 5}
+    if method == "lm_infinite":
+        return {"n_local": L, "n_global": 10, "d_max": L}
+    if method in ("rerope", "leaky_rerope"):
+        return {"window": max(1, L // 8), **({"leak": 16.0} if method == "leaky_rerope" else {})}
+    if method == "dca":
+        return {"chunk": max(2, 3 * L // 4), "window": max(1, L // 8)}
+    if method == "self_extend":
+        W = max(1, L // 4)
+        G = 1
+        while (longest - 1) // G + W - W // G > L - 1:
+            G *= 2
+        return {"window": W, "group": G}
+    return {}
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, remap: Remap, tables: list,
+           sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over every region's scores (see the module docstring) · v, one block of :data:`QUERIES` queries at a
+    time, each region's scores only over the keys its pairs span; ``sink`` (H,) joins each denominator.
+
+    q, k, v: (B, H, T, Dh), q and k not rotated; ``tables``: :func:`prepare`'s, per region → (B, H, T, Dh)."""
+    B, H, T, Dh = q.shape
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scale = 1.0 / math.sqrt(Dh)
+    turned = [_turn(scheme, q, k, t) for t in tables]  # per region: (q_r, k_r, bias_r or None)
+    out = torch.empty_like(q)
+    for s in range(0, T, QUERIES):
+        e = min(T, s + QUERIES)
+        region = remap.region_of(torch.arange(s, e, device=q.device)[:, None], torch.arange(e, device=q.device)[None])
+        scores = torch.full((B, H, e - s, e), float("-inf"), dtype=dtype, device=q.device)
+        for r, (q_r, k_r, bias) in enumerate(turned):
+            inside = region == r  # (Q, e)
+            keys = inside.any(0).nonzero()
+            if keys.numel() == 0:
+                continue
+            lo, hi = int(keys[0]), int(keys[-1]) + 1
+            part = (q_r[:, :, s:e] @ k_r[:, :, lo:hi].transpose(-1, -2)).to(dtype) * scale  # (B, H, Q, hi − lo)
+            if bias is not None:
+                part = part + bias(s, e, lo, hi).to(dtype)
+            scores[..., lo:hi] = torch.where(inside[:, lo:hi], part, scores[..., lo:hi])
+        if sink is not None:
+            scores = torch.cat((scores, sink.to(dtype)[None, :, None, None].expand(B, H, e - s, 1)), dim=-1)
+        p = torch.softmax(scores, dim=-1)[..., :e]
+        out[:, :, s:e] = (p.to(v.dtype) @ v[:, :, :e])
+    return out
+
+
+def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> list:
+    """Per region, what :func:`attend` turns the queries and keys with: ``("rotate", query tables, key tables)`` for a
+    rotary scheme (``scheme.rotation`` at the region's positions, one centre for both), ``("bias", P_q, P_k)`` for a
+    bias scheme, ``None`` for a scheme that reads no position per pair; computed once per forward pass."""
+    tables = []
+    for r in range(remap.regions()):
+        qp, kp = remap.positions(r, T, device)
+        if scheme.rotary:
+            centre = float(torch.cat((qp, kp)).aminmax()[0] + torch.cat((qp, kp)).aminmax()[1]) / 2
+            tables.append(("rotate", scheme.rotation(qp, dtype, centre), scheme.rotation(kp, dtype, centre)))
+        elif scheme.has_bias:
+            tables.append(("bias", _integral(qp), _integral(kp)))
+        else:
+            tables.append(None)
+    return tables
+
+
+def _integral(p: torch.Tensor) -> torch.Tensor:
+    """Positions as int64 where they are whole (every bias reads those), else float64 (Leaky ReRoPE's)."""
+    return p.long() if bool((p == p.floor()).all()) else p
+
+
+def _turn(scheme, q, k, table):
+    """(q_r, k_r, bias_r) of one region: q and k turned by its tables, or as they are with its bias function."""
+    if table is None:
+        return q, k, None
+    if table[0] == "rotate":
+        q_r, k_r = scheme.rotate(q, k, table[1], table[2])
+        return q_r, k_r, None
+    qp, kp, dtype = table[1], table[2], torch.promote_types(q.dtype, torch.float32)
+    return q, k, lambda s, e, lo, hi: scheme.pair_bias(qp[s:e], kp[lo:hi], dtype)  # (H, Q, hi − lo)

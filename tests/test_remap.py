@@ -1,0 +1,255 @@
+"""Training-free extension at evaluation (``eval.remap``, posbench/remap.py; issue 37 item 1) against the reference
+algorithms transcribed here, one (query, key) pair at a time:
+
+* StreamingLLM: the KV cache simulated token by token (mit-han-lab/streaming-llm ``StartRecentKVCache``: before
+  each new token the cache is cut to its first S and last R entries, then the token is appended; with ``pos_shift``
+  every entry's position is its index in the cache, the query's too);
+* LM-Infinite: the Λ-shaped mask (i − j < n_local, or j < n_global) and the global branch read at distance d_max;
+* ReRoPE: the relative position min(i − j, w); Leaky ReRoPE: i − j below w, else w + (i − j − w)/k;
+* Self-Extend: neighbours (i − j < W) at their distance, the rest at ⌊i/G⌋ + W − ⌊W/G⌋ − ⌊j/G⌋;
+* Dual Chunk Attention (HKUNLP/ChunkLlama): keys at j mod s, s = c − w; the query at i mod s in its own chunk, at
+  min(i mod s + s, c) from the next one, at min(2s − 1, c) from further on.
+
+Each pair's score is RoPE's (or xPos's, or ALiBi's) at that distance, written out with python math per dimension
+pair; the attention output in float64 at T = L, 4L and 16L must match the kernel's. Also: the model path, the options'
+defaults and refusals, a run re-evaluated from the command line, and its label.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from helpers import eval_here, refused, snapshot
+from posbench import remap
+from posbench.remap import Remap
+from posbench.schemes import build_scheme
+
+L, H, DH = 16, 2, 8
+METHODS = [Remap("streaming", sinks=2, recent=L - 3), Remap("lm_infinite", n_local=L, n_global=3, d_max=L),
+           Remap("rerope", window=4), Remap("leaky_rerope", window=4, leak=4.0), Remap("self_extend", window=4, group=4),
+           Remap("dca", chunk=12, window=2)]
+
+
+def streaming_pairs(T: int, S: int, R: int) -> dict:
+    """{(i, j): distance} of the pairs StreamingLLM's cache shows, by simulating the cache."""
+    cache, pairs = [], {}
+    for i in range(T):
+        if len(cache) > S + R:
+            cache = cache[:S] + cache[-R:]
+        cache.append(i)
+        for index, j in enumerate(cache):
+            pairs[i, j] = (len(cache) - 1) - index  # positions are cache indices (pos_shift)
+    return pairs
+
+
+def reference_distances(method: Remap, T: int) -> dict:
+    """{(i, j): the distance the reference reads} of every pair it shows."""
+    if method.method == "streaming":
+        return streaming_pairs(T, method.sinks, method.recent)
+    pairs = {}
+    for i in range(T):
+        for j in range(i + 1):
+            d = i - j
+            if method.method == "lm_infinite":
+                if d < method.n_local:
+                    pairs[i, j] = d
+                elif j < method.n_global:
+                    pairs[i, j] = method.d_max
+            elif method.method == "rerope":
+                pairs[i, j] = min(d, method.window)
+            elif method.method == "leaky_rerope":
+                w, k = method.window, method.leak
+                pairs[i, j] = d if d < w else w + (d - w) / k
+            elif method.method == "self_extend":
+                W, G = method.window, method.group
+                pairs[i, j] = d if d < W else (i // G + W - W // G) - j // G
+            else:  # dca, ChunkLlama's names: chunk_size, local_window, chunk_len
+                chunk_size, local_window = method.chunk, method.window
+                chunk_len = chunk_size - local_window
+                key = j % chunk_len
+                if i // chunk_len == j // chunk_len:
+                    query = i % chunk_len  # intra
+                elif i // chunk_len == j // chunk_len + 1:
+                    query = min(i % chunk_len + chunk_len, chunk_size)  # successive
+                else:
+                    query = min(chunk_len - 1 + chunk_len, chunk_size)  # inter
+                pairs[i, j] = query - key
+    return pairs
+
+
+def rope_score(q, k, distance: float, base: float = 10000.0, zeta=None, scale_base: float = 512.0) -> float:
+    """q·R(distance)·k / √Dh for one head's q (Dh,) and k (Dh,), pairs (a, a + Dh/2) turned by distance·θ_a
+    (RoFormer eq. 34); xPos (``zeta``): each pair's term times ζ_a^(distance/B) (Sun et al. 2022, §3.2)."""
+    half, total = len(q) // 2, 0.0
+    for a in range(half):
+        angle = distance * base ** (-2 * a / len(q))
+        c, s = math.cos(angle), math.sin(angle)
+        # query turned by m, key by n: q_rot·k_rot = (q1 k1 + q2 k2) cos(m − n) + (q1 k2 − q2 k1) sin(m − n)
+        term = (q[a] * k[a] + q[a + half] * k[a + half]) * c + (q[a] * k[a + half] - q[a + half] * k[a]) * s
+        total += term * (zeta[a] ** (distance / scale_base) if zeta is not None else 1.0)
+    return total / math.sqrt(len(q))
+
+
+def reference_attention(method: Remap, q, k, v, score) -> torch.Tensor:
+    """softmax over the shown keys of ``score(h, i, j, distance)`` · v, float64, pair by pair."""
+    B, Hn, T, _ = q.shape
+    pairs = reference_distances(method, T)
+    out = torch.zeros_like(v)
+    for h in range(Hn):
+        for i in range(T):
+            keys = [j for j in range(i + 1) if (i, j) in pairs]
+            logits = torch.tensor([score(h, i, j, pairs[i, j]) for j in keys], dtype=torch.float64)
+            out[0, h, i] = torch.softmax(logits, 0) @ v[0, h, keys]
+    return out
+
+
+def run(scheme, method: Remap, q, k, v) -> torch.Tensor:
+    T = q.shape[2]
+    return remap.attend(q, k, v, scheme, method, remap.prepare(scheme, method, T, torch.float64, q.device))
+
+
+def qkv(T: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, H, T, DH, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+@pytest.mark.parametrize("T", [L, 4 * L, 16 * L])
+def test_rope_attention_matches_the_reference(method, T):
+    q, k, v = qkv(T, T)
+    rope = build_scheme("rope", H * DH, H)
+    expected = reference_attention(method, q, k, v, lambda h, i, j, d: rope_score(q[0, h, i], k[0, h, j], d))
+    assert_close(run(rope, method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+def test_xpos_attention_matches_the_reference(method):
+    T = 4 * L
+    q, k, v = qkv(T, 1)
+    xpos = build_scheme("xpos", H * DH, H, scale_base=64.0)
+    zeta = [(2 * a / DH + 0.4) / 1.4 for a in range(DH // 2)]
+    expected = reference_attention(method, q, k, v,
+                                   lambda h, i, j, d: rope_score(q[0, h, i], k[0, h, j], d, zeta=zeta, scale_base=64.0))
+    assert_close(run(xpos, method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+@pytest.mark.parametrize("T", [L, 16 * L])
+def test_alibi_reads_the_remapped_distance(method, T):
+    q, k, v = qkv(T, 2)
+    slopes = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3
+
+    def score(h, i, j, d):
+        return float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) - slopes[h] * d
+
+    assert_close(run(build_scheme("alibi", H * DH, H), method, q, k, v),
+                 reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.method)
+def test_nope_and_an_absolute_scheme_keep_only_the_mask(method):
+    """NoPE (and learned or sinusoidal positions, added to the embeddings) reads no distance: only the keys a method
+    hides change its attention."""
+    T = 4 * L
+    q, k, v = qkv(T, 3)
+    expected = reference_attention(method, q, k, v, lambda h, i, j, d: float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH))
+    assert_close(run(build_scheme("nope", H * DH, H), method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+
+
+def test_a_model_with_a_remap_that_hides_nothing_is_the_model():
+    """Through the model, every layer's attention remapped: a method whose windows cover the whole evaluation window
+    gives the model's own logits; one that acts does not."""
+    from posbench.build import build_model
+
+    torch.manual_seed(0)
+    model = build_model({"vocab_size": 50, "model": {"n_layer": 2, "n_head": H, "d_model": H * DH, "d_ff": 32},
+                         "scheme": {"name": "rope"}}).double().eval()
+    idx = torch.randint(0, 50, (2, 3 * QUERIES_PLUS))
+    with torch.no_grad():
+        plain = model(idx)
+        model.remap = Remap("rerope", window=idx.shape[1])
+        assert_close(model(idx), plain, atol=1e-12, rtol=1e-12)
+        model.remap = Remap("rerope", window=8)
+        changed = (model(idx) - plain).abs()
+        assert changed[:, :8].max() < 1e-12 and changed[:, 8:].max() > 1e-6  # (GPT-2's initialisation: small logits)
+
+
+QUERIES_PLUS = remap.QUERIES // 2 + 1  # T = 3·(Q/2 + 1): blocks that end mid-window
+
+
+def test_defaults_are_the_papers_scaled_to_L():
+    assert remap.defaults("streaming", 128, 2048) == {"sinks": 4, "recent": 123}  # S + R = L − 1: distances < L
+    assert remap.defaults("lm_infinite", 128, 2048) == {"n_local": 128, "n_global": 10, "d_max": 128}
+    assert remap.defaults("rerope", 128, 2048) == {"window": 16}  # 512 at L = 4096
+    assert remap.defaults("leaky_rerope", 128, 2048) == {"window": 16, "leak": 16.0}
+    se = remap.defaults("self_extend", 128, 2048)
+    assert se == {"window": 32, "group": 32}  # 1024 at 4096; G: the smallest power of two that fits 2048 in L
+    assert (2048 - 1) // 32 + 32 - 1 <= 127 < (2048 - 1) // 16 + 32 - 2
+    assert remap.defaults("dca", 128, 2048) == {"chunk": 96, "window": 16}  # 3072 and 512 at 4096
+
+
+REFUSALS = [
+    (["eval.remap=self_extend", "eval.remap_options.window=24", "eval.remap_options.group=16"],
+     r"eval.remap_options.window=24 is not divisible by eval.remap_options.group=16"),
+    (["eval.remap=rerope", "eval.remap_options.window=512"],  # posbench eval's lengths: L … 16L, L = 32
+     r"eval.remap_options.window=512 reaches the longest evaluation length 512: eval.remap=rerope would change nothing"),
+    (["eval.remap=rerope", "eval.remap_options.group=4"], r"eval.remap_options.group=4 is not a parameter of "
+                                                          r"eval.remap=rerope \(window\): drop it"),
+    (["eval.remap_options.window=4"], r"eval.remap_options.window=4 is not a parameter of eval.remap=none"),
+    (["eval.remap=leaky_rerope", "eval.remap_options.leak=0.5"], r"eval.remap_options.leak=0.5 is not allowed"),
+    (["eval.remap=streaming", "eval.remap_options.recent=0"], r"eval.remap_options.recent=0 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSALS)
+def test_bad_remaps_are_refused_and_nothing_written(overrides, message, posbench_here, existing_run):
+    before = snapshot(existing_run)
+    proc = posbench_here("eval", f"run={existing_run}", *overrides)
+    assert re.search(message, refused(proc, existing_run, before))
+
+
+def test_training_refuses_a_remap(posbench_here, data_cache, tmp_path):
+    run = tmp_path / "run"
+    proc = posbench_here("train", "debug=fast", "eval.remap=rerope", f"hydra.run.dir={run}", f"data.cache_dir={data_cache}")
+    assert proc.returncode == 2 and "eval.remap=rerope applies to a trained run: posbench eval" in proc.stderr
+    assert not run.exists()
+
+
+def test_posbench_eval_remaps_a_trained_run(existing_run, torch_state):
+    """``posbench eval run=<rope run> eval.remap=rerope``: L = 32 evaluated at 32 and 128 with ReRoPE's default
+    w = L/8 = 4, labelled ``rope@rerope(w4)``; at L a window of 4 already acts, so both lengths change."""
+    plain = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256")
+    got = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256", "eval.remap=rerope")
+    assert got["label"] == "rope@rerope(w4)" and got["config"]["eval"]["remap_options"]["window"] == 4
+    assert all(a["nll"] != b["nll"] for a, b in zip(got["results"], plain["results"]))
+    written = json.loads((existing_run / "eval-rope@rerope_w4-nonoverlapping-validation-1.json").read_text())
+    assert written["label"] == "rope@rerope(w4)"
+    hot = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256", "eval.remap=rerope",
+                    "model.attn_scale=log_n_clipped")
+    assert hot["label"] == "rope+log_n_clipped@rerope(w4)"
+    from posbench.report import compare
+
+    records, skipped = compare.collect([existing_run])
+    assert {"rope", "rope@rerope(w4)", "rope@rerope(w4) (log_n_clipped at eval)"} <= {compare.label_of(r) for r in records}
+    assert not [line for line in skipped if "duplicate" in line]
+
+
+def test_the_remaps_preset_sweeps_every_method_with_and_without_a_temperature():
+    """``posbench eval -m eval_experiment=remaps run=…``: every method of eval.remap (none included) × no temperature
+    and log_n_clipped, with the context probe, composed as the command line composes it."""
+    from hydra import compose, initialize_config_module
+
+    from posbench.cli import register
+
+    register()
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        cfg = compose("eval", overrides=["eval_experiment=remaps", "run=x"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert params["eval.remap"].split(",") == list(remap.METHODS)
+    assert params["model.attn_scale"].split(",") == ["none", "log_n_clipped"] and list(cfg.eval.probes) == ["context"]
