@@ -82,7 +82,7 @@ from posbench.blockwise import (
     windowed_table,
     with_sink,
 )
-from posbench.remap import Remap
+from posbench.remap import Prepared, Remap
 from posbench.schemes.base import PositionalScheme
 from posbench.windows import Window, from_chunks, to_chunks
 
@@ -90,7 +90,7 @@ BIAS_ELEMENTS = 1 << 24  # dense: largest bias block (H · queries · keys float
 CONTEXT_ELEMENTS = 1 << 22  # contextual: largest block of scores (B · H · queries · keys) per step, 16 MiB in fp32
 CONTEXT_ELEMENTS_CUDA = 1 << 26  # the same on a GPU, 256 MiB: blocks of a CPU's size leave a GPU launch-bound
 WINDOW_QUERIES = 64  # banded with a window: queries per block, each against its block and the W − 1 keys before it
-KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual", "remap")
+KERNELS = ("causal", "flex", "folded", "banded", "dense", "contextual")  # (and remap: chosen by a remap alone)
 QK_NORMS = ("none", "rms")  # model.qk_norm: each head's q and k normalised before the rotation (model.GPT)
 QK_NORM_LAYERS = ("all", "local")  # model.qk_norm_layers: every layer, or the L layers of model.layer_pattern
 log = logging.getLogger("posbench")
@@ -106,7 +106,7 @@ class Context:
         scheme: the positional scheme.
         pos: (T,) int64 absolute positions of the window.
         rotation: ``scheme.rotation(pos, dtype)`` (RoPE: cos and sin tables), for ``scheme.rotate``.
-        kernel: one of :data:`KERNELS` (see the module docstring).
+        kernel: one of :data:`KERNELS` (see the module docstring), or ``remap`` (an evaluation's remap).
         dropout: attention-probability dropout of this pass (0 when evaluating).
         blocks: folded and dense: the query blocks (start, end).
         key_bias: folded: per block, the key-only bias (H, end) of keys 0…end−1 against the block's middle
@@ -132,8 +132,8 @@ class Context:
             ``rotation`` (of all T positions: q and k turn by their own) then describes one chunk, positions ``pos[:C]``.
         sink: the layers of this context add a learned sink logit to each softmax (:func:`attend`'s ``sink``).
         pad: flex on CPU: the zero rows q, k and v get after their T (``flex.cpu_padding``), later keys to every query.
-        remap: remap: the evaluation's method (posbench/remap.py), and ``tables`` its per-region rotations or bias
-            positions (``remap.prepare``); the layers then pass q and k unrotated.
+        remap, prepared: remap: the evaluation's method (posbench/remap.py), and its per-region rotations or bias
+            positions and per-block regions (``remap.prepare``); the layers then pass q and k unrotated.
     """
 
     scheme: PositionalScheme
@@ -156,7 +156,7 @@ class Context:
     sink: bool = False
     pad: int = 0
     remap: Remap | None = None
-    tables: list | None = None
+    prepared: Prepared | None = None
 
 
 def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32,
@@ -183,7 +183,8 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             gradients on or a sink; ``folded`` for a scheme whose bias is not key-only, or with a window or a sink; ``banded``
             without torch's fused CPU attention, for a bias not of i − j alone, for positions that do not increase,
             or with gradients where keys past a ``far_constant`` bias's distance need their log-sum-exp (chosen
-            automatically, those run ``folded`` or ``dense``).
+            automatically, those run ``folded`` or ``dense``); a ``remap`` with gradients, dropout, a window or a
+            contextual scheme.
     """
     T, device, grad = pos.numel(), pos.device, torch.is_grad_enabled()
     if torch.is_autocast_enabled(device.type):  # q and k will be in the autocast dtype
@@ -193,7 +194,7 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
             raise ValueError("a remap evaluates (no gradients, no dropout) a model without windows, of a scheme whose "
                              "positions are not the content's")
         return Context(scheme, pos, None, "remap", sink=sink, remap=remap,
-                       tables=remapping.prepare(scheme, remap, T, dtype, device))
+                       prepared=remapping.prepare(scheme, remap, T, dtype, device))
     window = window if window is not None and window.binds(T) else None
     per_distance = scheme.has_bias and (scheme.distance_table or _invariant_here(scheme, pos, device, grad))  # by i − j
     if window is not None and window.kind == "chunked" and _chunkable(scheme, per_distance, pos, span):
@@ -386,7 +387,7 @@ def _run(q, k, v, ctx: Context, sink: torch.Tensor | None) -> torch.Tensor:
     if ctx.kernel == "contextual":
         return _contextual(q, k, v, ctx, sink)
     if ctx.kernel == "remap":
-        return remapping.attend(q, k, v, ctx.scheme, ctx.remap, ctx.tables, sink)
+        return remapping.attend(q, k, v, ctx.scheme, ctx.prepared, sink)
     return _dense(q, k, v, ctx, sink)
 
 

@@ -305,7 +305,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
         checks.training_data_inert(cfg.data, DataConfig())
     checks.model_values(cfg.model, trained_length or t.seq_len)
     checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
-    checks.remap_values(cfg.eval, cfg.model, s.name, t.seq_len, training)
+    checks.remap_values(cfg.eval, cfg.model, s, t.seq_len, training)
     checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)
     longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen
     try:

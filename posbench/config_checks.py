@@ -286,24 +286,42 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
                               f"evaluation length {min(e.lengths)}")
 
 
-def remap_values(e: DictConfig, m: DictConfig, scheme: str, seq_len: int, training: bool) -> None:
-    """``eval.remap`` and its ``eval.remap_options`` (filled with the method's defaults and checked by
-    posbench/remap.py): only in a re-evaluation (``posbench eval``), not on a scheme whose positions are the content's
-    (CoPE) or a model with windows; options without a method refused."""
+def remap_values(e: DictConfig, m: DictConfig, scheme: DictConfig, seq_len: int, training: bool) -> None:
+    """``eval.remap`` and its ``eval.remap_options`` (filled with the method's defaults for L = ``seq_len`` and the
+    longest window scored, probes included, and checked by posbench/remap.py): only in a re-evaluation
+    (``posbench eval``), on a model without windows whose schemes (``scheme``, and a hybrid's global one) do not take
+    their positions from the content (CoPE), do not scale by the window's length (``dynamic_ntk``: a region's
+    remapped positions would pick other frequencies than the window's), and, for a method that only remaps distances
+    (all but streaming and lm_infinite, which also hide keys), read a position per (query, key) pair (rotary or bias
+    schemes: for NoPE, sinusoidal and learned it would change nothing); Leaky ReRoPE's fractional distances not for
+    T5's buckets; options without a method refused."""
     method = e.remap
-    if method != "none" and training:
-        raise ConfigError(f"eval.remap={method} applies to a trained run: posbench eval run=<run folder> "
-                          f"eval.remap={method}")
-    if method != "none" and SCHEMES[scheme].contextual:
-        raise ConfigError(f"eval.remap={method} remaps positions per (query, key) pair, and scheme={scheme} computes its "
-                          "positions from the content: choose another scheme's run")
-    if method == "leaky_rerope" and scheme == "t5":
-        raise ConfigError("eval.remap=leaky_rerope reads fractional distances past its window, and scheme=t5's buckets "
-                          "take whole ones: choose eval.remap=rerope for a T5 run")
-    if method != "none" and m.window is not None:
-        raise ConfigError(f"eval.remap={method} and model.window={m.window}: a remap runs on models without windows")
+    if method != "none":
+        if training:
+            raise ConfigError(f"eval.remap={method} applies to a trained run: posbench eval run=<run folder> "
+                              f"eval.remap={method}")
+        if m.window is not None:
+            raise ConfigError(f"eval.remap={method} and model.window={m.window}: a remap runs on models without windows")
+        g = m.get("global_scheme")
+        sections = [scheme, *([g if not isinstance(g, str) else {"name": g}] if g is not None else [])]
+        for section in sections:
+            name, cls = section.get("name"), SCHEMES[section.get("name")]
+            if cls.contextual:
+                raise ConfigError(f"eval.remap={method} remaps positions per (query, key) pair, and scheme={name} "
+                                  "computes its positions from the content: choose another scheme's run")
+            if section.get("scaling") == "dynamic_ntk":
+                raise ConfigError(f"eval.remap={method} and scheme.scaling=dynamic_ntk: dynamic NTK picks its frequencies "
+                                  "from the positions it is given, which a remap changes per region; give another scaling")
+            if method == "leaky_rerope" and name == "t5":
+                raise ConfigError("eval.remap=leaky_rerope reads fractional distances past its window, and scheme=t5's "
+                                  "buckets take whole ones: choose eval.remap=rerope for a T5 run")
+        if method not in ("streaming", "lm_infinite") and not any(
+                SCHEMES[x.get("name")].rotary or SCHEMES[x.get("name")].has_bias for x in sections):
+            raise ConfigError(f"eval.remap={method} changes only the distances a scheme reads per (query, key) pair, and "
+                              f"scheme={scheme.name} reads none: it would change nothing; streaming and lm_infinite "
+                              "also hide keys")
     try:
-        remap.check(method, e.remap_options, seq_len, max(e.lengths))
+        remap.check(method, e.remap_options, seq_len, longest_length(e))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -211,9 +211,12 @@ def _change_temperature(model: DictConfig, given: dict, run: str) -> None:
     ``model.attn_scale`` starts from its own defaults for the options not given.
 
     Raises ConfigError for a temperature that changes training: ``log_n`` or ``ssmax`` given, or the run's own (its
-    weights were trained with it), and for a value of the wrong type."""
+    weights were trained with it; given alone, as it is, it changes nothing and passes), and for a value of the wrong
+    type."""
     trained, new = model.attn_scale, given.get("attn_scale", model.attn_scale)
     what = " ".join(f"model.{k}={v}" for k, v in given.items())
+    if given == {"attn_scale": trained}:  # the run's own: no change
+        return
     if trained in TRAINED:
         raise ConfigError(f"{what}: the run {run!r} was trained with model.attn_scale={trained}, which its weights "
                           "depend on; posbench eval keeps it")

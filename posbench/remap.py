@@ -150,39 +150,43 @@ class Options:
 def check(method: str, options, train_length: int, longest: int) -> None:
     """Fill the parameters of ``method`` left None in ``options`` (an :class:`Options`, or the config node holding its
     fields) with :func:`defaults`, and raise ValueError (``eval.remap_options.<name>=<value> …``) for a parameter of
-    another method, a count below 1 (a window, a group, tokens), Leaky ReRoPE's k below 1, Self-Extend's W not
-    divisible by G (the reference's prefill and decoding then disagree), and a window that reaches past the longest
-    evaluation length ``longest`` (the method would change nothing)."""
+    another method, a window, group, chunk or token count below 1 (sinks below 0), Leaky ReRoPE's k not above 1 or
+    infinite and Self-Extend's G below 2 (each would be plain attention), Self-Extend's W not divisible by G (the
+    reference's prefill and decoding then disagree), DCA's window not below its chunk, and a setting that shows every
+    query every key at its own distance up to the longest evaluation length ``longest`` (the method would change
+    nothing)."""
     own = PARAMETERS.get(method, ())
     for name in (f.name for f in fields(Options)):
         value = getattr(options, name)
         if value is not None and name not in own:
             raise ValueError(f"eval.remap_options.{name}={value} is not a parameter of eval.remap={method} "
                              f"({', '.join(own) or 'none'}): drop it")
-    filled = defaults(method, train_length, longest)
+    filled = defaults(method, train_length, longest) if any(getattr(options, n) is None for n in own) else {}
     for name in own:
         if getattr(options, name) is None:
             setattr(options, name, filled[name])
         value = getattr(options, name)
-        low = 1 if name != "sinks" else 0
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or math.isnan(value):
-            raise ValueError(f"eval.remap_options.{name}={value!r} is not allowed: it must be a number >= {low}")
+        low = {"sinks": 0, "group": 2}.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low \
+                or name == "leak" and value == 1:
+            raise ValueError(f"eval.remap_options.{name}={value!r} is not allowed: it must be a finite number "
+                             f"{'> 1' if name == 'leak' else f'>= {low}'}")
         if name != "leak" and value != int(value):
             raise ValueError(f"eval.remap_options.{name}={value!r} is not allowed: it counts tokens, give an integer")
-    if method == "dca" and options.window >= options.chunk:
-        raise ValueError(f"eval.remap_options.window={options.window} is not below eval.remap_options.chunk="
-                         f"{options.chunk}: DCA's chunks of keys are c − w long; give a smaller window")
-    reach = {"streaming": "recent", "lm_infinite": "n_local", "rerope": "window", "leaky_rerope": "window",
-             "self_extend": "window"}.get(method)
-    if method == "dca" and options.chunk - options.window >= longest:
-        raise ValueError(f"eval.remap_options.chunk={options.chunk} less the window {options.window} reaches the "
-                         f"longest evaluation length {longest}: eval.remap=dca would change nothing; give a smaller one")
-    if reach and getattr(options, reach) >= longest:
-        raise ValueError(f"eval.remap_options.{reach}={getattr(options, reach)} reaches the longest evaluation length "
-                         f"{longest}: eval.remap={method} would change nothing; give a smaller one")
-    if method == "self_extend" and options.window % options.group:
-        raise ValueError(f"eval.remap_options.window={options.window} is not divisible by eval.remap_options.group="
-                         f"{options.group}: Self-Extend's prefill and decoding agree only then; give a multiple of it")
+    o = options
+    if method == "self_extend" and o.window % o.group:
+        raise ValueError(f"eval.remap_options.window={o.window} is not divisible by eval.remap_options.group={o.group}: "
+                         "Self-Extend's prefill and decoding agree only then; give a multiple of it")
+    if method == "dca" and o.window >= o.chunk:
+        raise ValueError(f"eval.remap_options.window={o.window} is not below eval.remap_options.chunk={o.chunk}: DCA's "
+                         "chunks of keys are c − w long; give a smaller window")
+    reach = {"streaming": ("recent", o.sinks + o.recent + 1 if method == "streaming" else 0),
+             "lm_infinite": ("n_local", o.n_local), "rerope": ("window", o.window), "leaky_rerope": ("window", o.window),
+             "self_extend": ("window", o.window), "dca": ("chunk", o.chunk - o.window if method == "dca" else 0)}
+    if method in reach and reach[method][1] >= longest:
+        name = reach[method][0]
+        raise ValueError(f"eval.remap_options.{name}={getattr(o, name)} reaches the longest evaluation length {longest}: "
+                         f"eval.remap={method} would change nothing; give a smaller one")
 
 
 def of(method: str, options) -> Remap | None:
@@ -196,9 +200,10 @@ def defaults(method: str, train_length: int, longest: int) -> dict:
     """Each parameter's default for a model trained at L = ``train_length`` evaluated up to ``longest`` tokens, as the
     papers set them for their models: StreamingLLM's 4 start tokens and a cache of L (R = L − 1 − S: the query's
     farthest distance S + R stays below L); LM-Infinite's n_local = d_max = L and 10 global tokens; ReRoPE's
-    w = L/8 (512 at 4096) and Leaky ReRoPE's k = 16; Self-Extend's W = L/4 (1024 at 4096) and the smallest power of two
-    G that keeps every grouped position within L at ``longest`` (⌊(T − 1)/G⌋ + W − ⌊W/G⌋ ≤ L − 1); DCA's c = 3L/4 and
-    w = L/8 (ChunkLlama's ``chunk_size`` and ``local_window``)."""
+    w = L/8 (512 at 4096) and Leaky ReRoPE's k = 16; Self-Extend's smallest power of two G ≥ 2, with W the multiple of G
+    nearest L/4 (1024 at 4096), that keeps every grouped position within L at ``longest`` (⌊(T − 1)/G⌋ + W − W/G ≤
+    L − 1; ValueError where none does); DCA's c = 3L/4 and w = L/8 (ChunkLlama's ``chunk_size`` and
+    ``local_window``)."""
     L = train_length
     if method == "streaming":
         return {"sinks": 4, "recent": L - 5}
@@ -209,61 +214,83 @@ def defaults(method: str, train_length: int, longest: int) -> dict:
     if method == "dca":
         return {"chunk": max(2, 3 * L // 4), "window": max(1, L // 8)}
     if method == "self_extend":
-        W = max(1, L // 4)
-        G = 1
-        while (longest - 1) // G + W - W // G > L - 1:
-            G *= 2
-        return {"window": W, "group": G}
+        for G in (2 ** k for k in range(1, max(2, L).bit_length())):  # G = 2, 4, … below L
+            W = G * max(1, round(L / 4 / G))  # the multiple of G nearest L/4
+            if (longest - 1) // G + W - W // G <= L - 1:
+                return {"window": W, "group": G}
+        raise ValueError(f"eval.remap=self_extend has no default that keeps {longest} tokens within the train length "
+                         f"L={L} (⌊(T − 1)/G⌋ + W − W/G ≤ L − 1 with W a multiple of G): give eval.remap_options.window "
+                         "and eval.remap_options.group, or shorter lengths")
     return {}
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, remap: Remap, tables: list,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: Prepared,
            sink: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over every region's scores (see the module docstring) · v, one block of :data:`QUERIES` queries at a
-    time, each region's scores only over the keys its pairs span; ``sink`` (H,) joins each denominator.
+    time, each region's scores only over the keys its pairs span in the block; ``sink`` (H,) joins each denominator.
 
-    q, k, v: (B, H, T, Dh), q and k not rotated; ``tables``: :func:`prepare`'s, per region → (B, H, T, Dh)."""
+    q, k, v: (B, H, T, Dh), q and k not rotated; ``prepared``: :func:`prepare`'s for this T → (B, H, T, Dh)."""
     B, H, T, Dh = q.shape
     dtype = torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(Dh)
-    turned = [_turn(scheme, q, k, t) for t in tables]  # per region: (q_r, k_r, bias_r or None)
+    turned = [_turn(scheme, q, k, t) for t in prepared.tables]  # per region: (q_r, k_r, bias_r or None)
     out = torch.empty_like(q)
-    for s in range(0, T, QUERIES):
-        e = min(T, s + QUERIES)
-        region = remap.region_of(torch.arange(s, e, device=q.device)[:, None], torch.arange(e, device=q.device)[None])
+    for s, e, parts in prepared.blocks:
         scores = torch.full((B, H, e - s, e), float("-inf"), dtype=dtype, device=q.device)
-        for r, (q_r, k_r, bias) in enumerate(turned):
-            inside = region == r  # (Q, e)
-            keys = inside.any(0).nonzero()
-            if keys.numel() == 0:
-                continue
-            lo, hi = int(keys[0]), int(keys[-1]) + 1
+        for r, lo, hi, inside in parts:
+            q_r, k_r, bias = turned[r]
             part = (q_r[:, :, s:e] @ k_r[:, :, lo:hi].transpose(-1, -2)).to(dtype) * scale  # (B, H, Q, hi − lo)
             if bias is not None:
                 part = part + bias(s, e, lo, hi).to(dtype)
-            scores[..., lo:hi] = torch.where(inside[:, lo:hi], part, scores[..., lo:hi])
+            scores[..., lo:hi] = torch.where(inside, part, scores[..., lo:hi])
         if sink is not None:
             scores = torch.cat((scores, sink.to(dtype)[None, :, None, None].expand(B, H, e - s, 1)), dim=-1)
         p = torch.softmax(scores, dim=-1)[..., :e]
-        out[:, :, s:e] = (p.to(v.dtype) @ v[:, :, :e])
+        out[:, :, s:e] = p.to(v.dtype) @ v[:, :, :e]
     return out
 
 
-def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> list:
-    """Per region, what :func:`attend` turns the queries and keys with: ``("rotate", query tables, key tables)`` for a
-    rotary scheme (``scheme.rotation`` at the region's positions, one centre for both), ``("bias", P_q, P_k)`` for a
-    bias scheme, ``None`` for a scheme that reads no position per pair; computed once per forward pass."""
+@dataclass
+class Prepared:
+    """What :func:`attend` needs for one window length, made once per forward pass and shared by the layers.
+
+    tables: per region, ``("rotate", query tables, key tables)`` for a rotary scheme, ``("bias", P_q, P_k)`` for a bias
+        scheme, None for a scheme that reads no position per pair.
+    blocks: per block of queries [s, e): (s, e, [(region, lo, hi, its pairs among keys lo…hi − 1 (e − s, hi − lo)
+        bool), …]), each region that has pairs in the block.
+    """
+
+    tables: list
+    blocks: list
+
+
+def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepared:
+    """The :class:`Prepared` of ``scheme`` under ``remap`` for a window of T: each region's rotation tables
+    (``scheme.rotation`` at its positions, one centre for the queries' and the keys') or bias positions, and each block's
+    regions and the keys they span."""
     tables = []
     for r in range(remap.regions()):
         qp, kp = remap.positions(r, T, device)
         if scheme.rotary:
-            centre = float(torch.cat((qp, kp)).aminmax()[0] + torch.cat((qp, kp)).aminmax()[1]) / 2
+            both = torch.cat((qp, kp))
+            centre = float(both.min() + both.max()) / 2
             tables.append(("rotate", scheme.rotation(qp, dtype, centre), scheme.rotation(kp, dtype, centre)))
         elif scheme.has_bias:
             tables.append(("bias", _integral(qp), _integral(kp)))
         else:
             tables.append(None)
-    return tables
+    blocks = []
+    for s in range(0, T, QUERIES):
+        e = min(T, s + QUERIES)
+        region = remap.region_of(torch.arange(s, e, device=device)[:, None], torch.arange(e, device=device)[None])
+        parts = []
+        for r in range(remap.regions()):
+            keys = (region == r).any(0).nonzero()
+            if keys.numel():
+                lo, hi = int(keys[0]), int(keys[-1]) + 1
+                parts.append((r, lo, hi, region[:, lo:hi] == r))
+        blocks.append((s, e, parts))
+    return Prepared(tables, blocks)
 
 
 def _integral(p: torch.Tensor) -> torch.Tensor:

@@ -206,8 +206,10 @@ def make_model(args, case: str) -> torch.nn.Module:
     if scheme == "learned":  # a table row for every evaluation position
         spec["scheme"]["max_positions"] = max(*args.lengths, args.seq_len)
     model = build_model(spec).to(args.device)
-    if method:
-        model.remap = remap.Remap(method, **remap.defaults(method, args.seq_len, max(args.lengths)))
+    if method:  # its defaults, checked as posbench eval checks them
+        options = remap.Options()
+        remap.check(method, options, args.seq_len, max(args.lengths))
+        model.remap = remap.of(method, options)
     return model
 
 

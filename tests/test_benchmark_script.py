@@ -113,20 +113,20 @@ def test_windowed_and_hybrid_cases(tmp_path, capsys):
 
 
 def test_remap_cases(tmp_path, capsys):
-    """``--remaps rope@rerope alibi@self_extend dca``-like cases are evaluated only (their training is their scheme's),
+    """``--remaps rope@rerope alibi@lm_infinite rope@dca``: cases are evaluated only (their training is their scheme's),
     beside nope's, with their targets at 16L: a rotary remap 2.5× nope's time, a bias one 1.5×, both 2× its memory
     growth; DCA's three rotary regions are reported without a target; a method the parser does not know is refused."""
     out = tmp_path / "bench.json"
-    args = [*TINY, "--schemes", "rope", "--remaps", "rope@rerope", "alibi@self_extend", "rope@dca",
+    args = [*TINY, "--schemes", "rope", "--remaps", "rope@rerope", "alibi@lm_infinite", "rope@dca",
             "--lengths", "4", "64", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     r = json.loads(out.read_text())
     assert proc.returncode == (0 if r["all_targets_met"] else 1), proc.stderr[-3000:]
-    assert list(r["train"]) == ["nope", "rope"] and list(r["remaps"]) == ["rope@rerope", "alibi@self_extend", "rope@dca"]
+    assert list(r["train"]) == ["nope", "rope"] and list(r["remaps"]) == ["rope@rerope", "alibi@lm_infinite", "rope@dca"]
     assert all(positive(e["time_x_nope"]) and positive(e["mem_x_nope"]) for v in r["remaps"].values() for e in v.values())
     limits = sorted((t["scheme"], t["target"].split(" <= ")[0], t["limit"]) for t in r["targets"] if "@" in t["scheme"])
-    assert limits == [("alibi@self_extend", "remap eval memory growth at 16L", 2.0),
-                      ("alibi@self_extend", "remap eval time at 16L", 1.5),
+    assert limits == [("alibi@lm_infinite", "remap eval memory growth at 16L", 2.0),
+                      ("alibi@lm_infinite", "remap eval time at 16L", 1.5),
                       ("rope@rerope", "remap eval memory growth at 16L", 2.0), ("rope@rerope", "remap eval time at 16L", 2.5)]
     assert "rope@dca" in proc.stdout
     capsys.readouterr()

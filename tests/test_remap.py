@@ -111,7 +111,7 @@ def reference_attention(method: Remap, q, k, v, score) -> torch.Tensor:
 
 def run(scheme, method: Remap, q, k, v) -> torch.Tensor:
     T = q.shape[2]
-    return remap.attend(q, k, v, scheme, method, remap.prepare(scheme, method, T, torch.float64, q.device))
+    return remap.attend(q, k, v, scheme, remap.prepare(scheme, method, T, torch.float64, q.device))
 
 
 def qkv(T: int, seed: int):
@@ -194,6 +194,67 @@ def test_defaults_are_the_papers_scaled_to_L():
     assert remap.defaults("dca", 128, 2048) == {"chunk": 96, "window": 16}  # 3072 and 512 at 4096
 
 
+@pytest.mark.parametrize("L, T", [(32, 32), (32, 64), (96, 1536), (100, 1600), (128, 2048), (128, 4096), (512, 8192)])
+def test_self_extends_defaults_pass_its_own_checks_and_keep_positions_within_L(L, T):
+    options = remap.Options()
+    remap.check("self_extend", options, L, T)
+    W, G = options.window, options.group
+    assert W % G == 0 and G >= 2 and (T - 1) // G + W - W // G <= L - 1  # the farthest grouped query position
+
+
+def test_self_extend_without_a_default_that_fits_says_so():
+    with pytest.raises(ValueError, match=r"no default that keeps 512 tokens within the train length L=32"):
+        remap.check("self_extend", remap.Options(), 32, 512)
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("leaky_rerope", {"leak": 1.0}, r"leak=1.0 is not allowed: it must be a finite number > 1"),
+    ("leaky_rerope", {"leak": math.inf}, r"leak=inf is not allowed"),
+    ("self_extend", {"window": 8, "group": 1}, r"group=1 is not allowed: it must be a finite number >= 2"),
+    ("streaming", {"sinks": 4, "recent": 59}, r"recent=59 reaches the longest evaluation length 64"),  # S + R + 1
+    ("dca", {"chunk": 70, "window": 6}, r"chunk=70 reaches the longest evaluation length 64"),  # c − w ≥ T
+])
+def test_settings_that_would_change_nothing_are_refused(method, options, message):
+    with pytest.raises(ValueError, match=message):
+        remap.check(method, remap.Options(**options), 16, 64)
+
+
+@pytest.mark.parametrize("scheme, method, message", [
+    ({"name": "nope"}, "rerope", r"eval.remap=rerope changes only the distances .* scheme=nope reads none"),
+    ({"name": "learned"}, "dca", r"scheme=learned reads none"),
+    ({"name": "rope", "scaling": "dynamic_ntk"}, "streaming", r"scheme.scaling=dynamic_ntk"),
+    ({"name": "t5"}, "leaky_rerope", r"scheme=t5's buckets take whole ones"),
+    ({"name": "cope"}, "rerope", r"scheme=cope computes its positions from the content"),
+])
+def test_a_remap_a_scheme_cannot_take_is_refused(scheme, method, message):
+    from omegaconf import OmegaConf
+
+    from posbench.config import EvalConfig, ModelConfig
+    from posbench.config_checks import ConfigError, remap_values
+
+    e = OmegaConf.merge(OmegaConf.structured(EvalConfig), {"remap": method, "lengths": [16, 64]})
+    with pytest.raises(ConfigError, match=message):
+        remap_values(e, OmegaConf.structured(ModelConfig), OmegaConf.create(scheme), 16, training=False)
+    if scheme["name"] in ("nope", "learned"):  # the methods that also hide keys do act on them
+        e.remap, e.remap_options = "streaming", OmegaConf.structured(remap.Options)
+        remap_values(e, OmegaConf.structured(ModelConfig), OmegaConf.create(scheme), 16, training=False)
+
+
+def test_a_fine_tuned_runs_remap_is_labelled_alike_with_and_without_a_temperature():
+    from posbench.report import compare
+
+    cfg = {"scheme": {"name": "rope"}, "train": {"seq_len": 512, "steps": 200}, "model": {}, "eval": {}}
+    remapped = {"remap": "rerope", "remap_options": {"window": 64}}
+    lineage = {"scheme": "rope", "origin_length": 128}
+    run = [{"path": "r/results.json", "config": cfg, "lineage": lineage},
+           {"path": "r/eval-1.json", "config": {**cfg, "eval": remapped}, "lineage": lineage},
+           {"path": "r/eval-2.json", "config": {**cfg, "eval": remapped, "model": {"attn_scale": "log_n_clipped"}},
+            "lineage": lineage, "model_overrides": {"attn_scale": "log_n_clipped"}}]
+    compare._mark_reevaluations(run)
+    assert [compare.label_of(r) for r in run] == ["rope ft512×200", "rope@rerope(w64) ft512×200",
+                                                   "rope@rerope(w64) ft512×200 (log_n_clipped at eval)"]
+
+
 REFUSALS = [
     (["eval.remap=self_extend", "eval.remap_options.window=24", "eval.remap_options.group=16"],
      r"eval.remap_options.window=24 is not divisible by eval.remap_options.group=16"),
@@ -219,6 +280,14 @@ def test_training_refuses_a_remap(posbench_here, data_cache, tmp_path):
     proc = posbench_here("train", "debug=fast", "eval.remap=rerope", f"hydra.run.dir={run}", f"data.cache_dir={data_cache}")
     assert proc.returncode == 2 and "eval.remap=rerope applies to a trained run: posbench eval" in proc.stderr
     assert not run.exists()
+
+
+def test_posbench_eval_with_self_extends_defaults(existing_run, torch_state):
+    """L = 32 evaluated to 128: the smallest G that keeps ⌊127/G⌋ + W − W/G below L, W the multiple of G nearest
+    L/4 = 8: G = 8, W = 8."""
+    got = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256", "eval.remap=self_extend")
+    assert got["label"] == "rope@self_extend(W8,G8)"
+    assert got["config"]["eval"]["remap_options"]["group"] == 8 and got["config"]["eval"]["remap_options"]["window"] == 8
 
 
 def test_posbench_eval_remaps_a_trained_run(existing_run, torch_state):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from posbench.config_checks import NEEDLE_FORMAT
 from posbench.report import stats
-from posbench.results import READABLE, SUPERSEDED, remap_label, run_label, temperature_label
+from posbench.results import READABLE, SUPERSEDED, run_label, temperature_label
 from posbench.schemes import variant_label
 from posbench.temperature import ZERO_SHOT
 from posbench.upgrade import upgrade
@@ -101,10 +101,10 @@ def origin_length(rec: dict) -> int:
 
 def _mark_reevaluations(run: list[dict]) -> None:
     """Set ``applied`` on each record of one run folder that ``posbench eval`` made with other scheme options or
-    another temperature (``scheme_overrides``, ``model_overrides``): ``(the training record's run label, what the
-    options add to its label)``, e.g. ``("rope", "yarn×4")``, ``("rope", "floor_log")``, or the whole new label where
-    it does not extend the trained one (``("rope+yarn×2", "rope+yarn×2.5")``); without the training record, the
-    label is left as it is."""
+    another temperature (``scheme_overrides``, ``model_overrides``): ``(the training record's run label with this
+    record's remap, what the options add to it)``, e.g. ``("rope", "yarn×4")``, ``("rope", "floor_log")``,
+    ``("rope@rerope(w16) ft512×200", "log_n_clipped")``, or the whole new variant where it does not extend the trained
+    one (``("rope+yarn×2", "rope+yarn×2.5")``); without the training record, the label is left as it is."""
     trained = next((r for r in run if Path(r["path"]).name == "results.json"), None)
     for rec in run:
         if trained is None or not (rec.get("scheme_overrides") or rec.get("model_overrides")):
@@ -114,17 +114,17 @@ def _mark_reevaluations(run: list[dict]) -> None:
         temperature = temperature_label(rec["config"])
         if temperature != temperature_label(trained["config"]):
             parts.append(temperature[1:] or "attn_scale=none")
-        rec["applied"] = (label_of(trained), "+".join(parts))
+        remapped = {**trained["config"], "eval": rec["config"].get("eval") or {}}  # the trained run, with this remap
+        rec["applied"] = (run_label(remapped, trained.get("lineage")), "+".join(parts))
 
 
 def label_of(rec: dict) -> str:
     """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``,
     ``rope@rerope(w16)``); a re-evaluation with other scheme options or a temperature (``applied``:
-    :func:`_mark_reevaluations`) names the run it was applied to, then its remap: ``rope (yarn×4 at eval)``,
+    :func:`_mark_reevaluations`) names the run it was applied to, with its remap: ``rope (yarn×4 at eval)``,
     ``rope@rerope(w16) (log_n_clipped at eval)``."""
     if rec.get("applied"):
-        trained, parts = rec["applied"]
-        return f"{trained}{remap_label(rec['config'])} ({parts} at eval)"
+        return "{} ({} at eval)".format(*rec["applied"])
     return run_label(rec["config"], rec.get("lineage"))
 
 
