@@ -53,7 +53,7 @@ PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label or
 }
 SHORT = {"sinks": "S", "recent": "R", "n_local": "local", "n_global": "global", "d_max": "dmax", "window": "w",
          "leak": "k", "group": "G", "chunk": "c"}  # in labels: rope@rerope(w16)
-QUERIES = 128  # queries per block of :func:`attend`
+QUERIES = 64  # queries per block of :func:`attend`
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: 
            sink: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over every region's scores (see the module docstring) · v, one block of :data:`QUERIES` queries at a
     time, each region's scores only over the keys its pairs span in the block; ``sink`` (H,) joins each denominator.
+    The regions' scores merge by an elementwise maximum (each pair is in one region, −inf elsewhere) and the softmax
+    runs in place, so a block holds two score buffers at most.
 
     q, k, v: (B, H, T, Dh), q and k not rotated; ``prepared``: :func:`prepare`'s for this T → (B, H, T, Dh)."""
     B, H, T, Dh = q.shape
@@ -237,16 +239,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: 
     out = torch.empty_like(q)
     for s, e, parts in prepared.blocks:
         scores = torch.full((B, H, e - s, e), float("-inf"), dtype=dtype, device=q.device)
-        for r, lo, hi, inside in parts:
+        for r, lo, hi, outside in parts:
             q_r, k_r, bias = turned[r]
-            part = (q_r[:, :, s:e] @ k_r[:, :, lo:hi].transpose(-1, -2)).to(dtype) * scale  # (B, H, Q, hi − lo)
+            part = (q_r[:, :, s:e] @ k_r[:, :, lo:hi].transpose(-1, -2)).to(dtype).mul_(scale)  # (B, H, Q, hi − lo)
             if bias is not None:
-                part = part + bias(s, e, lo, hi).to(dtype)
-            scores[..., lo:hi] = torch.where(inside, part, scores[..., lo:hi])
+                part += bias(s, e, lo, hi)
+            view = scores[..., lo:hi]
+            torch.maximum(view, part.masked_fill_(outside, float("-inf")), out=view)
+            del part
+        top = scores.amax(-1, keepdim=True)  # (B, H, Q, 1)
         if sink is not None:
-            scores = torch.cat((scores, sink.to(dtype)[None, :, None, None].expand(B, H, e - s, 1)), dim=-1)
-        p = torch.softmax(scores, dim=-1)[..., :e]
-        out[:, :, s:e] = p.to(v.dtype) @ v[:, :, :e]
+            top = torch.maximum(top, sink.to(dtype)[None, :, None, None])
+        total = scores.sub_(top).exp_().sum(-1, keepdim=True)
+        if sink is not None:
+            total += (sink.to(dtype)[None, :, None, None] - top).exp()
+        out[:, :, s:e] = scores.div_(total).to(v.dtype) @ v[:, :, :e]
     return out
 
 
@@ -256,8 +263,8 @@ class Prepared:
 
     tables: per region, ``("rotate", query tables, key tables)`` for a rotary scheme, ``("bias", P_q, P_k)`` for a bias
         scheme, None for a scheme that reads no position per pair.
-    blocks: per block of queries [s, e): (s, e, [(region, lo, hi, its pairs among keys lo…hi − 1 (e − s, hi − lo)
-        bool), …]), each region that has pairs in the block.
+    blocks: per block of queries [s, e): (s, e, [(region, lo, hi, the pairs among keys lo…hi − 1 *not* in it
+        (e − s, hi − lo) bool), …]), each region that has pairs in the block.
     """
 
     tables: list
@@ -288,7 +295,7 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
             keys = (region == r).any(0).nonzero()
             if keys.numel():
                 lo, hi = int(keys[0]), int(keys[-1]) + 1
-                parts.append((r, lo, hi, region[:, lo:hi] == r))
+                parts.append((r, lo, hi, region[:, lo:hi] != r))
         blocks.append((s, e, parts))
     return Prepared(tables, blocks)
 

@@ -152,6 +152,22 @@ def test_alibi_reads_the_remapped_distance(method, T):
                  reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
 
 
+def test_a_sink_logit_joins_every_denominator():
+    """GPT-OSS's sink: exp(s_h) in each query's denominator, no value; with StreamingLLM's mask, at 4L."""
+    T, method = 4 * L, METHODS[0]
+    q, k, v = qkv(T, 4)
+    sink = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    pairs, rope = reference_distances(method, T), build_scheme("rope", H * DH, H)
+    expected = torch.zeros_like(v)
+    for h in range(H):
+        for i in range(T):
+            keys = [j for j in range(i + 1) if (i, j) in pairs]
+            logits = [rope_score(q[0, h, i], k[0, h, j], pairs[i, j]) for j in keys] + [float(sink[h])]
+            expected[0, h, i] = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)[:-1] @ v[0, h, keys]
+    got = remap.attend(q, k, v, rope, remap.prepare(rope, method, T, torch.float64, q.device), sink)
+    assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.method)
 def test_nope_and_an_absolute_scheme_keep_only_the_mask(method):
     """NoPE (and learned or sinusoidal positions, added to the embeddings) reads no distance: only the keys a method
