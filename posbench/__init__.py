@@ -9,9 +9,10 @@ __version__ = "0.1.0"
 # Bottom to top; names relative to the package; "schemes.*": any scheme family file (a new scheme needs no entry).
 LEVELS: tuple[tuple[str, ...], ...] = (
     # 0 — nothing of posbench: the scheme interface, RoPE's scalings, attention windows, corpora, the passkey probe's
-    #     trials, statistics, plots, the report tier's package (it imports nothing), the optimizer, process helpers
+    #     trials, statistics, plots, the report tier's package (it imports nothing), the optimizer, process helpers,
+    #     the attention temperatures and the training-free remaps
     ("schemes.base", "schemes.rope_scaling", "windows", "corpora", "passkey", "report", "report.stats", "report.plots",
-     "optim", "dist", "device", "gpus", "signals", "runlock"),
+     "optim", "dist", "device", "gpus", "signals", "runlock", "temperature", "remap"),
     # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
     ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "report.retrieval"),
     # 2 — the scheme registry, the context-use probe, FlexAttention

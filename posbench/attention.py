@@ -39,6 +39,10 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   · v in plain tensor operations. It materialises every (query, key) score of the causal triangle, as the scheme's
   own definition needs. No other scheme reaches it, and no other kernel does anything for it.
 
+* ``remap`` — an evaluation's training-free extension (``eval.remap``: posbench/remap.py; ``context``'s ``remap``),
+  whatever the scheme: the layers hand q and k unrotated, and the kernel scores each region of (query, key) pairs at
+  its remapped positions, blocks of queries at a time, in one softmax. Never chosen otherwise.
+
 Every kernel is causal by index (query t sees keys 0…t of its window) whatever the positions, and passes
 gradients to learned parameters used in ``score_mod`` (Flex on CPU is never chosen with gradients on).
 
