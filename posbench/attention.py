@@ -13,7 +13,8 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
 
 * ``causal`` — no bias: ``F.scaled_dot_product_attention(is_causal=True)``.
 * ``flex`` — a bias on CUDA without dropout (training and evaluation), or on CPU without gradients a bias that is
-  neither key-only nor of i − j alone (FIRE over a window that crosses its threshold): FlexAttention
+  neither key-only nor of i − j alone (FIRE over a window that crosses its threshold, with a local layer's window;
+  without one it runs ``dense``): FlexAttention
   (posbench/flex.py) with a causal BlockMask and a score_mod that looks the bias up in a table built once per forward
   pass — per distance (H, N) for a ``distance_table`` scheme; per (query, key) pair (H, T, T) for a learned bias of i
   and j when gradients are on (FIRE) — or, otherwise, the scheme's own ``score_mod``. A table's gradient leaves the
@@ -27,7 +28,9 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
   ``invariant_below_limit``) in float32/float64: SDPA's fused kernel per block of
   queries with a float mask that slides along one table per distance; a ``far_constant`` bias's far keys unmasked
   (posbench/blockwise.py).
-* ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA): bias plus
+* ``dense``  — all else (CPU training of a bias that is not key-only, dropout with a bias on CUDA; CPU evaluation of
+  FIRE past its threshold without a window, in blocks of :data:`FIRE_QUERIES` queries, its masks from the fold of its
+  MLP, ``Fire.pair_bias``): bias plus
   causal mask (``scheme.pair_bias``, or the per-distance table indexed by i − j) materialised one block of queries
   at a time (at most :data:`BIAS_ELEMENTS` floats), built once
   per forward pass for the layers of one scheme instance (all of them, or one: ``per_layer``) when the whole mask
@@ -125,11 +128,13 @@ class Context:
         block_mask, score_mod: flex: the BlockMask (causal ∧ the window's) of T + ``pad`` queries and keys, and the
             score_mod with Flex's signature (posbench/flex.py).
         table: banded, and flex and dense for a ``distance_table`` scheme (or FIRE within its threshold): the bias
-            per distance (H, N) (:func:`distance_table`);
+            per distance (H, N) (:func:`distance_table`); flex with a table that takes gradients, in the layout
+            ``flex.OPTIONS.table_layout`` (``flex.layout_table``: (H, N), (H, R, N) or (H, T + pad, T + pad));
             flex with gradients, a scheme with learned parameters and no distance table (FIRE): its bias of every
             (query, key) pair (H, T, T), so that Flex's backward indexes each parameter once (Inductor refuses a
             score_mod that indexes a tensor needing gradients twice).
-        kernel_options: flex on CUDA with a table: Triton options for Flex's kernels (``flex.TABLE_OPTIONS``).
+        kernel_options: flex on CUDA: Triton options for Flex's kernels (``flex.kernel_options``: with a table,
+            ``flex.TABLE_OPTIONS``; float32 q, k, v, ``flex.OPTIONS.float32_precision``), else None.
         window: the layer's window where it hides keys from this pass's queries (posbench/windows.py), else None;
             with ``chunk`` set, the chunks do that and it is None.
         chunk: C when the kernel runs on chunks of C tokens as a batch (a chunked window): every other field but
@@ -230,8 +235,12 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         if ctx.table is not None and ctx.table._base is not None:  # a view's gradient does not reach its base
             ctx.table = ctx.table.clone()  # through Flex's backward (torch 2.13): Flex gets a tensor of its own
         padded = torch.cat((pos, pos[-1] + torch.arange(1, ctx.pad + 1, device=device))) if ctx.pad else pos
-        ctx.score_mod = flex.score_mod(scheme, padded, ctx.table)
-        ctx.kernel_options = flex.kernel_options(device, ctx.table)
+        layout = "shared"  # a per-distance table that trains: in flex.OPTIONS.table_layout (flex.layout_table); else as is
+        if grad and ctx.table is not None and ctx.table.dim() == 2 and ctx.table.requires_grad:
+            layout = flex.OPTIONS.table_layout
+            ctx.table = flex.layout_table(ctx.table, padded, layout)  # (H, N), (H, R, N) or (H, T + pad, T + pad)
+        ctx.score_mod = flex.score_mod(scheme, padded, ctx.table, layout)
+        ctx.kernel_options = flex.kernel_options(device, ctx.table, dtype)
     elif kernel == "folded":
         if not scheme.key_only_bias or window is not None or sink:
             raise ValueError(f"the folded kernel needs a key-only bias and no window or sink; {type(scheme).__name__}"
@@ -250,8 +259,12 @@ def context(scheme: PositionalScheme, pos: torch.Tensor, n_head: int, dtype: tor
         _banded_context(ctx, scheme, per_distance, span, grad, dtype)
     elif kernel == "dense":
         ctx.blocks = _dense_blocks(T, n_head, window)
+        fire = scheme.invariant_below_limit and not grad and window is None and device.type == "cpu"  # FIRE past its
+        if fire:  # threshold, evaluated: blocks of its pair_bias's sheared rows (keys up to theirs), each one's mask
+            Q = min(scheme.FOLD_ROWS, max(1, BIAS_ELEMENTS // (n_head * T)))  # built as the layer runs it
+            ctx.blocks = [(s, min(T, s + Q)) for s in range(0, T, Q)]
         pairs = T * T if window is None else sum((e - s) * (e - window.first_key(s)) for s, e in ctx.blocks)
-        if n_head * pairs <= BIAS_ELEMENTS:
+        if n_head * pairs <= BIAS_ELEMENTS and not fire:
             ctx.masks = [dense_mask(scheme, pos, n_head, s, e, dtype, ctx.table, _first_key(window, s), window)
                          for s, e in ctx.blocks]  # the whole mask fits the budget: built once for all layers
     return ctx
@@ -351,8 +364,11 @@ def choose_kernel(scheme: PositionalScheme, device: torch.device, dtype: torch.d
             return "banded"  # (a window's far keys are masked: nothing needs a log-sum-exp's gradient)
     if device.type == "cpu" and scheme.key_only_bias and wide and plain:
         return "folded"  # (an 8-bit mantissa would round a folded bias of 64 by 0.25)
-    if device.type == "cpu" and fused and not grad and _flex_cpu_works and not sink:
-        return "flex"  # (not with a sink: Flex on CPU returns no log-sum-exp)
+    if device.type == "cpu" and not grad and scheme.invariant_below_limit and window is None:
+        return "dense"  # FIRE past its threshold: its pair_bias's fold (Fire.fold) and small blocks beat Flex's score_mod
+    if device.type == "cpu" and fused and not grad and _flex_cpu_works and not sink and wide:
+        return "flex"  # (not with a sink: Flex on CPU returns no log-sum-exp; not in bf16: torch 2.13's compiled CPU
+        # kernel was off by up to 2.4 in bf16 outputs where eager Flex and SDPA were within 0.013 of float64)
     return "dense"
 
 

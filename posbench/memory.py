@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from posbench import attention
+from posbench import attention, flex
 from posbench.build import build_model
 from posbench.config import DEFAULT_SCHEME
 from posbench.schemes import SCHEMES
@@ -210,9 +210,11 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
         return L * (B * H * pairs * b + 3 * B * T * D * b) + BLOCK_TEMPORARIES * B * H * Q * (Q + window) * b + pattern
     if window is not None and kernel in ("dense", "contextual"):
         return _windowed_pairs_bytes(spec, m, B, T, kernel, b, training, device, Window(window))
-    if kernel == "flex" and training and not SCHEMES[_scheme_name(spec)].distance_table:
+    if kernel == "flex" and training and (not SCHEMES[_scheme_name(spec)].distance_table
+                                          or flex.OPTIONS.table_layout == "pair"):
         per_pair, learned = _bias_graph(spec, m, T)
-        if learned:  # attention.context builds the per-pair table (H, T, T) of each scheme instance (FIRE)
+        if learned:  # attention.context builds the per-pair table (H, T, T) of each scheme instance (FIRE; T5 and
+            # KERPLE in flex.OPTIONS's pair layout)
             copies = L if _per_layer(spec) else 1
             return L * lse + int(copies * T * T * (2 * H * 4 + per_pair))  # table, its gradient, its graph
     if kernel in ("causal", "flex"):

@@ -125,7 +125,10 @@ def test_flex_trains_every_learned_bias_through_one_indexing_op(monkeypatch, nam
     pos = torch.arange(T)
     q, k, v = (torch.randn(2, H, T, DH, requires_grad=True) for _ in range(3))
     ctx = attention.context(s, pos, H, kernel="flex")
-    assert ctx.table is not None and ctx.table.shape == ((H, T) if s.distance_table else (H, T, T))
+    laid_out = {"shared": (H, T), "residue": (H, flex.RESIDUES, T), "pair": (H, T, T)}[flex.OPTIONS.table_layout]
+    learned = any(p.requires_grad for p in s.parameters())  # (Sandwich's table has no parameters: kept shared)
+    want = (laid_out if learned else (H, T)) if s.distance_table else (H, T, T)
+    assert ctx.table is not None and ctx.table.shape == want
     g = torch.randn(2, H, T, DH)
     got = torch.autograd.grad((attention.attend(q, k, v, ctx) * g).sum(), [q, k, v, *s.parameters()])
     assert joint_graph_errors(graphs) == []
@@ -198,7 +201,7 @@ def test_a_table_lowers_flexs_pipeline_stages_on_cuda_only(monkeypatch):
 
     monkeypatch.setattr(flex, "_compiled", spy)
     monkeypatch.setattr(attention, "choose_kernel", lambda *args: "flex")  # as on CUDA
-    monkeypatch.setattr(flex, "kernel_options", lambda device, table: {"num_stages": 2, "table": table.shape})
+    monkeypatch.setattr(flex, "kernel_options", lambda device, table, dtype=None: {"num_stages": 2, "table": table.shape})
     with torch.no_grad():
         model("t5")(torch.randint(0, 64, (1, 16)))
     assert seen and all(options == {"num_stages": 2, "table": (H, 16)} for options in seen), seen

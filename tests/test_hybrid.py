@@ -296,7 +296,7 @@ def test_flex_on_cpu_pads_short_lengths(monkeypatch):
         scheme = make_scheme("fire", T)
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(2, H, T, DH, generator=g) for _ in range(3))
-        ctx, y = run_kernel(scheme, q, k, v, torch.arange(T), None, None, None, False)
+        ctx, y = run_kernel(scheme, q, k, v, torch.arange(T), None, None, "flex", False)
         assert (ctx.kernel, ctx.pad) == ("flex", 8)
         y_ref, _ = reference(scheme, q.double(), k.double(), v.double(), torch.arange(T), None, None)
         assert_close(y.double(), y_ref, **VALUES)

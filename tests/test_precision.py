@@ -45,3 +45,28 @@ def test_a_cpu_run_trains_under_bf16_autocast_only_when_asked(data_cache, tmp_pa
     assert math.isfinite(runs["bf16"]["final_loss"])
     assert abs(runs["bf16"]["final_loss"] - runs["fp32"]["final_loss"]) < 0.05
     assert runs["bf16"]["config"]["train"]["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log"])
+def test_a_bias_scheme_under_cpu_bf16_autocast_scores_as_in_float32(name):
+    """bf16 attention on CPU without gradients runs a kernel whose outputs are those of bf16 arithmetic: within 0.02
+    of the float64 attention (ALiBi, T5, KERPLE at T = 128). torch 2.13's compiled CPU Flex returned outputs off by up
+    to 2.4 in bf16, so CPU Flex is chosen in float32 only."""
+    from posbench import attention
+    from posbench.schemes import build_scheme
+
+    torch.manual_seed(0)
+    H, T, D = 4, 128, 32
+    s = build_scheme(name, d_model=H * D, n_head=H)
+    with torch.no_grad():
+        for p in s.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
+        pos = torch.arange(T)
+        scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + s.pair_bias(pos, pos, torch.float64)
+        want = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v.double()
+        with torch.autocast("cpu", torch.bfloat16):
+            ctx = attention.context(s, pos, H, torch.bfloat16)
+            got = attention.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), ctx)
+    assert ctx.kernel != "flex"
+    assert (got.double() - want).abs().max() < 0.02
