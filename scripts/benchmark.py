@@ -15,6 +15,13 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   several times too low, so every fraction of it several times too high. On CUDA the device's datasheet peak
   (dense, no sparsity; :data:`PEAKS`, NVIDIA's datasheets) is printed too where the device is in the table, and
   training's MFU (model FLOPs utilisation: GFLOP/s below over that peak) beside its fraction of the ceiling;
+* the GEMM-shape ceiling: the same loops, in turn with the steps too, of the model's own GEMMs, those of its
+  ``nn.Linear`` layers in a training step's forward at batch B and length L (x (B·L, in) · Wᵀ: qkv d→3d, the output
+  projection d→d, the MLP's d→d_ff and d_ff→d, the head d→V; read from nope's model), each shape's GFLOP/s and all
+  of a step's forward GEMMs together (their FLOPs over the time each would take at its shape's rate): a reference
+  for the FLOP/s a model of that width reaches in its forward shapes (backward's transposed GEMMs, two thirds of the
+  FLOPs, and the head's chunks are not timed), below the square ceiling where the shapes are thin; training's GFLOP/s over it
+  (``gemm_ceiling_fraction``; per shape, ``gemm_ceiling_fractions``) is printed after the table, with no target;
 * training: the step of posbench/train.py (forward, cross entropy, backward, clipping, AdamW from
   ``posbench.optim.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
   step by step. GFLOP/s counts 6·N + 12·n_layer·d_model·L FLOPs per token (N: parameters but the
@@ -26,7 +33,9 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   ≥ 0.5 s) in turn with nope's at that length, after an untimed one whose peak memory growth is kept: on CPU
   in a fresh process per case, the rise of the resident high-water mark (VmHWM, reset via
   /proc/self/clear_refs) once a 2-token forward took the one-time costs; on CUDA, of
-  ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes.
+  ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes. Flex's
+  BlockMasks of the length are built before the reset (posbench.flex caches them per length: on CUDA, where the
+  cases share a process, the first Flex case at a length would otherwise count them and the later ones not).
 
 ``×nope``: a scheme's median step time over nope's; the median of its forward times over nope's, each over the
 nope forward run next to it; its memory growth over nope's (growths under 1 MiB count as 1 MiB: allocator noise).
@@ -81,7 +90,7 @@ import torch
 import torch._dynamo
 
 import posbench
-from posbench import remap
+from posbench import attention, flex, remap
 from posbench.build import build_model
 from posbench.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES, PositionalScheme
@@ -303,21 +312,18 @@ def timed(args, fn, loops: int = 1) -> float:
     return (time.perf_counter() - start) / loops
 
 
-def matmul_sampler(args):
-    """A function timing one loop of :data:`MATMULS` n×n @ n×n matmuls in the benchmark's dtype (n:
-    :func:`ceiling_size`), in seconds per matmul: on CPU around the loop, on CUDA with CUDA events around it."""
-    n = ceiling_size(args)
-    a, b = (torch.randn(n, n, device=args.device, dtype=matmul_dtype(args)) for _ in range(2))
-    timed(args, lambda: a @ b, 3)
+def loop_sampler(args, fn):
+    """A function timing one loop of :data:`MATMULS` calls of ``fn`` (a matmul), in seconds per call: on CPU around
+    the loop, on CUDA with CUDA events around it; three untimed calls first."""
+    timed(args, fn, 3)
     if args.device != "cuda":
-        return lambda: timed(args, lambda: a @ b, MATMULS)
-    c = torch.empty_like(a)
+        return lambda: timed(args, fn, MATMULS)
 
     def sample() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(MATMULS):
-            torch.matmul(a, b, out=c)
+            fn()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / MATMULS  # (elapsed_time: milliseconds)
@@ -325,11 +331,56 @@ def matmul_sampler(args):
     return sample
 
 
-def train(args) -> tuple[dict, list, float, dict]:
-    """Median seconds per training step of each scheme over ``--steps`` steps, the schemes and a matmul sample
-    taking turns, and with ``--compile`` what compiling each case added to Dynamo's counts (:func:`dynamo_counts`);
-    the matmul samples; the share of ``--threads`` cores this process had meanwhile; Dynamo's counts added while
-    the steps were timed."""
+def matmul_sampler(args):
+    """A function timing one loop of :data:`MATMULS` n×n @ n×n matmuls in the benchmark's dtype (n:
+    :func:`ceiling_size`), in seconds per matmul: on CPU around the loop, on CUDA with CUDA events around it."""
+    n = ceiling_size(args)
+    a, b = (torch.randn(n, n, device=args.device, dtype=matmul_dtype(args)) for _ in range(2))
+    if args.device != "cuda":
+        return loop_sampler(args, lambda: a @ b)
+    c = torch.empty_like(a)
+    return loop_sampler(args, lambda: torch.matmul(a, b, out=c))
+
+
+def gemm_shapes(args, model: torch.nn.Module) -> dict[str, dict]:
+    """The GEMMs of a training step's forward through ``model``'s ``nn.Linear`` layers at batch B and length L: by
+    role (the module's name less ``blocks.<i>.``: attn.qkv, attn.proj, mlp.0, mlp.2, head), {"m": B·L, "k": in
+    features, "n": out features, "count": layers of that role}; x (B·L, in) · Wᵀ, W (out, in) as nn.Linear keeps
+    it. A role whose layers differ in shape gets one entry per shape (``<role> <in>x<out>``)."""
+    shapes: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            role = re.sub(r"^blocks\.\d+\.", "", name)
+            n, k = module.weight.shape
+            if role in shapes and (shapes[role]["k"], shapes[role]["n"]) != (k, n):
+                role = f"{role} {k}x{n}"
+            shapes.setdefault(role, {"m": args.batch * args.seq_len, "k": k, "n": n, "count": 0})["count"] += 1
+    return shapes
+
+
+def gemm_sampler(args, m: int, k: int, n: int):
+    """:func:`loop_sampler` of ``F.linear(x, w)``, x (m, k), w (n, k), in the benchmark's dtype: the model's GEMM."""
+    x = torch.randn(m, k, device=args.device, dtype=matmul_dtype(args))  # (m, k)
+    w = torch.randn(n, k, device=args.device, dtype=matmul_dtype(args))  # (n, k)
+    return loop_sampler(args, lambda: torch.nn.functional.linear(x, w))  # (m, n)
+
+
+def gemm_ceiling(shapes: dict[str, dict], seconds: dict[str, list]) -> tuple[float, dict[str, float]]:
+    """GFLOP/s of each GEMM shape (2·m·k·n FLOPs over its median seconds), and of a step's forward GEMMs together:
+    their FLOPs over the time each shape at its own rate would take (a FLOP-weighted harmonic mean, each shape
+    counted ``count`` times)."""
+    flops = {r: 2 * s["m"] * s["k"] * s["n"] for r, s in shapes.items()}
+    rate = {r: flops[r] / statistics.median(seconds[r]) / 1e9 for r in shapes}
+    total = sum(flops[r] * s["count"] for r, s in shapes.items())
+    return total / sum(flops[r] * s["count"] / rate[r] for r, s in shapes.items()), rate
+
+
+def train(args, gemms: dict[str, dict] | None = None) -> tuple[dict, list, float, dict, dict]:
+    """Median seconds per training step of each scheme over ``--steps`` steps, the schemes, a matmul sample and a
+    sample of each of ``gemms`` (:func:`gemm_shapes`) taking turns, and with ``--compile`` what compiling each case
+    added to Dynamo's counts (:func:`dynamo_counts`); the matmul samples; the share of ``--threads`` cores this
+    process had meanwhile; Dynamo's counts added while the steps were timed; the samples of each GEMM shape
+    (seconds per GEMM)."""
     from omegaconf import OmegaConf
 
     from posbench.config import TrainConfig
@@ -363,13 +414,16 @@ def train(args) -> tuple[dict, list, float, dict]:
         if compiled[s] and compiled[s]["frames_ok"] < compiled[s]["frames"]:
             raise SystemExit(f"--compile: Dynamo could not convert {compiled[s]['frames'] - compiled[s]['frames_ok']} "
                              f"frame(s) of case {s}, which would run eager")
-    matmul, cpu, wall, before = matmul_sampler(args), time.process_time(), time.perf_counter(), dynamo_counts()
-    rounds = [{**{s: timed(args, step) for s, step in steps.items()}, "": matmul()} for _ in range(args.steps)]
+    matmul, gemm = matmul_sampler(args), {r: gemm_sampler(args, g["m"], g["k"], g["n"]) for r, g in (gemms or {}).items()}
+    cpu, wall, before = time.process_time(), time.perf_counter(), dynamo_counts()
+    rounds = [{**{s: timed(args, step) for s, step in steps.items()}, "": matmul(),
+               **{("gemm", r): sample() for r, sample in gemm.items()}} for _ in range(args.steps)]
     share = (time.process_time() - cpu) / (time.perf_counter() - wall) / args.threads
     timed_dynamo = dynamo_since(before)
     torch.use_deterministic_algorithms(False)
     return ({s: {"step_seconds": statistics.median(r[s] for r in rounds), "step_seconds_all": [r[s] for r in rounds],
-                 "dynamo": compiled[s]} for s in steps}, [r[""] for r in rounds], share, timed_dynamo)
+                 "dynamo": compiled[s]} for s in steps}, [r[""] for r in rounds], share, timed_dynamo,
+            {g: [r["gemm", g] for r in rounds] for g in gemm})
 
 
 def hwm() -> int:
@@ -379,16 +433,38 @@ def hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def build_block_masks(model: torch.nn.Module, n: int, device: torch.device) -> None:
+    """Build the Flex BlockMasks a forward of ``model`` over n tokens on ``device`` (a tensor's: ``cuda:0``, as the
+    forward's keys are) may ask for, into posbench.flex's cache (per length, device and window), so that
+    :func:`eval_case` builds them before it resets the peak memory and no case's measurement holds them, and a later
+    case on CUDA (one process) reuses them as every case does. Causal at n (plus ``flex.cpu_padding`` on CPU), from
+    block indices (O((n/128)²) integers), always; per window of the model's layers that binds at n: the causal one of
+    a chunk (chunks run as a batch), and the window's own (``create_block_mask``, which evaluates all n² pairs) where
+    ``attention.choose_kernel`` gives Flex for it."""
+    if flex.flex_attention is None:
+        return
+    pad = flex.cpu_padding if device.type == "cpu" else lambda T: 0
+    flex.causal_block_mask(n + pad(n), device)
+    sink = model.blocks[0].attn.sink is not None
+    for s, window in dict.fromkeys((s, w) for s, w in zip(model.layer_schemes, model.windows) if w and w.binds(n)):
+        if window.kind == "chunked":
+            flex.causal_block_mask(window.size + pad(window.size), device)
+        if attention.choose_kernel(s, device, torch.float32, 0.0, False, None, window, sink) == "flex":
+            flex.block_mask(n + pad(n), device, window)
+
+
 def eval_case(args, scheme: str, n: int) -> dict:
     """Median seconds of a no-grad forward scoring n tokens (what ``posbench.evaluate`` runs: per-token NLL, no
     logits kept, float32 without autocast whatever ``--dtype``), its median ratio to nope's timed in turn with it,
-    the peak memory growth of the first one, and the Dynamo graphs compiled meanwhile (Flex's, on CUDA)."""
+    the peak memory growth of the first one (the BlockMasks of n tokens built before: :func:`build_block_masks`), and
+    the Dynamo graphs compiled meanwhile (Flex's, on CUDA)."""
     model = make_model(args, scheme).eval()
     idx = torch.randint(0, args.vocab, (1, n + 1), generator=torch.Generator().manual_seed(n)).to(args.device)
     x, y = idx[:, :-1], idx[:, 1:]  # (1, n) each
     cuda, dynamo = args.device == "cuda", dynamo_counts()
     with torch.no_grad():  # no autocast: posbench evaluates in float32 (see the module docstring)
         model(x[:, :2], targets=y[:, :2])  # one-time costs (thread pools, kernel set-up, lazy imports: ~14 MB on CPU) go first
+        build_block_masks(model, n, x.device)  # the length's BlockMasks too (on CUDA, cached for the cases after)
         sync(args)
         torch.cuda.reset_peak_memory_stats() if cuda else None
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
@@ -480,14 +556,21 @@ def main(argv=None) -> dict | None:
     L, info, schemes = args.seq_len, machine(args), args.schemes
     print(f"torch {info['torch']}, {info['device']} ({info['cpu']}), {info['threads']} threads, {args.dtype}; "
           f"d={args.d_model} layers={args.layers} heads={args.heads} V={args.vocab} L={L} batch={args.batch}", flush=True)
-    named = make_model(args, BASELINE).named_parameters()  # the tied head counted once
-    n_params = sum(p.numel() for name, p in named if not name.startswith("scheme."))
+    baseline = make_model(args, BASELINE)
+    n_params = sum(p.numel() for name, p in baseline.named_parameters() if not name.startswith("scheme."))  # tied head once
     per_token = 6 * n_params + 12 * args.layers * args.d_model * L
-    (tr, matmul, info["cpu_share_in_training"], timed_dynamo), targets, marks = train(args), [], {}
+    shapes = gemm_shapes(args, baseline)
+    del baseline
+    (tr, matmul, info["cpu_share_in_training"], timed_dynamo, gemm_seconds), targets, marks = train(args, shapes), [], {}
     size, top = ceiling_size(args), peak(args)
     ceiling = 2 * size**3 / statistics.median(matmul) / 1e9
+    gemm_total, gemm_rate = gemm_ceiling(shapes, gemm_seconds)
     print(f"matmul ceiling ({size}³ {args.dtype}): {ceiling:.1f} GFLOP/s; model FLOPs/token 6N + 12·n_layer·d·L = "
           f"{per_token / 1e6:.2f} M (N = {n_params / 1e6:.2f} M)", flush=True)
+    print(f"GEMM-shape ceiling (the model's linear layers, B·L = {args.batch * L} rows, {args.dtype}; GFLOP/s): "
+          + ", ".join(f"{r} {g['k']}→{g['n']} {gemm_rate[r]:.1f}" for r, g in shapes.items())
+          + f"; a step's forward GEMMs together {gemm_total:.1f} ({gemm_total / ceiling:.0%} of the {size}³ ceiling)",
+          flush=True)
     if top:
         print(f"datasheet peak ({top['device']}, {top['dtype']}, dense; {top['source']}): {top['tflops']:g} TFLOP/s; "
               f"the ceiling is {ceiling / 1e3 / top['tflops']:.0%} of it", flush=True)
@@ -507,6 +590,8 @@ def main(argv=None) -> dict | None:
         r["tokens_per_s"] = args.batch * L / r["step_seconds"]
         r["gflops"] = per_token * r["tokens_per_s"] / 1e9
         r["ceiling_fraction"] = r["gflops"] / ceiling
+        r["gemm_ceiling_fraction"] = r["gflops"] / gemm_total
+        r["gemm_ceiling_fractions"] = {g: r["gflops"] / rate for g, rate in gemm_rate.items()}
         r["step_x_nope"] = r["step_seconds"] / tr[BASELINE]["step_seconds"]
         marks[s] = check(targets, f"train >= {CEILING_FRACTION:.0%} of the matmul ceiling", s, r["ceiling_fraction"],
                          CEILING_FRACTION, at_least=True)
@@ -554,6 +639,8 @@ def main(argv=None) -> dict | None:
         x_rope = f"{r['step_x_rope']:.2f}{MARK[marks[s, 'rope']]}" if (s, "rope") in marks else "-"
         print(f"{s:<{w}}{r['tokens_per_s']:>8,.0f}{r['step_x_nope']:>11.2f}{x_rope:>11}{r['gflops']:>9.1f}"
               f"{r['ceiling_fraction']:>8.0%} {MARK[marks[s]]}  {mfu}|" + row)
+    print(f"training's GFLOP/s over the GEMM-shape ceiling ({gemm_total:.1f} GFLOP/s): "
+          + ", ".join(f"{s} {tr[s]['gemm_ceiling_fraction']:.0%}" for s in schemes))
     for s in filter(contextual, schemes):
         print(f"{s}: contextual kernel (every score materialised): evaluation targets {CONTEXTUAL_X}x nope's")
     for s in filter(windowed, schemes):
@@ -570,6 +657,8 @@ def main(argv=None) -> dict | None:
     result = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "eval_case"},
               "matmul_ceiling_gflops": ceiling, "matmul_seconds_all": matmul,
               "ceiling_matmul": f"{size}x{size} @ {size}x{size} {args.dtype}",
+              "gemm_ceiling_gflops": gemm_total,
+              "gemm_shapes": {r: {**g, "gflops": gemm_rate[r], "seconds_all": gemm_seconds[r]} for r, g in shapes.items()},
               "peak": top, "dynamo_in_timed_steps": timed_dynamo if args.compile else None,
               "flops": {"formula": "6*N + 12*n_layer*d_model*L per token (PaLM App. B; nanoGPT estimate_mfu)",
                         "n_params": n_params, "per_token": per_token},

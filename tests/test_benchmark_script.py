@@ -37,7 +37,7 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     assert proc.returncode == (0 if r["all_targets_met"] else 1)  # a missed target fails the run
     assert set(r) == {"machine", "settings", "matmul_ceiling_gflops", "matmul_seconds_all", "ceiling_matmul", "flops", "train",
                       "alibi_step_x_rope", "eval", "targets", "all_targets_met", "source_changed", "peak",
-                      "dynamo_in_timed_steps", "remaps"}
+                      "dynamo_in_timed_steps", "remaps", "gemm_ceiling_gflops", "gemm_shapes"}
     assert r["remaps"] == {}  # without --remaps
     # the CPU ceiling as before (1024³ fp32, one sample per round of steps), no datasheet peak, nothing compiled
     assert r["ceiling_matmul"] == "1024x1024 @ 1024x1024 fp32" and len(r["matmul_seconds_all"]) == 1
@@ -48,10 +48,23 @@ def test_benchmark_writes_json_with_positive_ratios(tmp_path):
     assert r["flops"]["per_token"] > 6 * r["flops"]["n_params"] > 0
     schemes = ["nope", "alibi", "rope"]
     assert list(r["train"]) == list(r["eval"]) == schemes
-    figures = [r["matmul_ceiling_gflops"], r["alibi_step_x_rope"]]
+    figures = [r["matmul_ceiling_gflops"], r["alibi_step_x_rope"], r["gemm_ceiling_gflops"]]
+    # the GEMM-shape ceiling: the tiny model's linear layers at B·L = 2·4 rows, one sample per round of steps, and a
+    # step's forward GEMMs together at the FLOP-weighted harmonic mean of their rates
+    shapes = r["gemm_shapes"]
+    assert {g: (v["m"], v["k"], v["n"], v["count"]) for g, v in shapes.items()} == {
+        "attn.qkv": (8, 16, 48, 1), "attn.proj": (8, 16, 16, 1), "mlp.0": (8, 16, 64, 1), "mlp.2": (8, 64, 16, 1),
+        "head": (8, 16, 64, 1)}
+    assert all(len(v["seconds_all"]) == 1 and positive(v["gflops"]) for v in shapes.values())
+    flops = {g: 2 * v["m"] * v["k"] * v["n"] * v["count"] for g, v in shapes.items()}
+    assert r["gemm_ceiling_gflops"] == pytest.approx(sum(flops.values()) / sum(f / shapes[g]["gflops"] for g, f in flops.items()))
+    assert min(v["gflops"] for v in shapes.values()) <= r["gemm_ceiling_gflops"] <= max(v["gflops"] for v in shapes.values())
+    assert "GEMM-shape ceiling" in proc.stdout and "over the GEMM-shape ceiling" in proc.stdout
     for s in schemes:
         t = r["train"][s]
         figures += [t["step_seconds"], t["tokens_per_s"], t["gflops"], t["ceiling_fraction"], t["step_x_nope"]]
+        assert t["gemm_ceiling_fraction"] == pytest.approx(t["gflops"] / r["gemm_ceiling_gflops"])
+        assert t["gemm_ceiling_fractions"] == pytest.approx({g: t["gflops"] / v["gflops"] for g, v in shapes.items()})
         assert set(r["eval"][s]) == {"4", "64"}
         for e in r["eval"][s].values():
             figures += [e["seconds"], e["nope_seconds"], e["time_x_nope"], e["mem_x_nope"]]
@@ -165,7 +178,8 @@ def test_every_compiled_case_is_compiled_past_dynamos_default_limit(dynamo_confi
     args = b.parse([*TINY, "--compile", "--compile-backend", "eager", "--schemes", *cases[1:], "--lengths", "4"])
     b.bound_recompiles(len(args.schemes))
     assert dynamo_config.fail_on_recompile_limit_hit and dynamo_config.recompile_limit >= len(cases)
-    tr, matmul, share, timed = b.train(args)
+    tr, matmul, share, timed, gemm = b.train(args)
+    assert gemm == {}  # (no GEMM shapes asked for)
     assert list(tr) == cases
     for case, r in tr.items():
         d = r["dynamo"]
@@ -186,6 +200,41 @@ def test_recompile_limit_reached_is_an_error(dynamo_config):
     compiled(torch.ones(2), 2)
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         compiled(torch.ones(2), 3)  # another constant: a second variant
+
+
+def test_gemm_shapes_are_the_models_linear_layers():
+    """The GEMM-shape ceiling times the model's own layers at B·L rows: qkv d→3d, the output projection d→d, the MLP
+    d→4d→d, once per layer, and the head d→V once (read from the model, so another width or vocabulary follows)."""
+    b = load_benchmark()
+    args = b.parse([*TINY, "--layers", "3", "--vocab", "96", "--batch", "3", "--seq-len", "5"])
+    shapes = b.gemm_shapes(args, b.make_model(args, "rope"))
+    assert {g: (v["m"], v["k"], v["n"], v["count"]) for g, v in shapes.items()} == {
+        "attn.qkv": (15, 16, 48, 3), "attn.proj": (15, 16, 16, 3), "mlp.0": (15, 16, 64, 3), "mlp.2": (15, 64, 16, 3),
+        "head": (15, 16, 96, 1)}
+    total, rate = b.gemm_ceiling(shapes, {g: [1e-6, 2e-6, 3e-6] for g in shapes})  # the median: 2 µs per GEMM
+    assert rate["head"] == pytest.approx(2 * 15 * 16 * 96 / 2e-6 / 1e9)
+    assert total == pytest.approx(sum(2 * v["m"] * v["k"] * v["n"] * v["count"] for v in shapes.values())
+                                  / (13 * 2e-6) / 1e9)  # 13 GEMMs of 2 µs
+
+
+@pytest.mark.parametrize("case", ["alibi", "alibi/L:w8"])
+def test_block_masks_are_built_before_the_peak_memory_is_reset(monkeypatch, case):
+    """Every Flex kernel (as on CUDA; Flex's call itself stubbed): the BlockMask of the evaluated length, causal or
+    the window's, is in posbench.flex's cache when the high-water mark is read after its reset, and the measured
+    forward builds none (before, the first Flex case at a length counted it and later cases on CUDA reused it)."""
+    from posbench import attention, flex
+
+    b = load_benchmark()
+    monkeypatch.setattr(flex, "_block_masks", {})
+    monkeypatch.setattr(attention, "choose_kernel", lambda *a, **k: "flex")
+    monkeypatch.setattr(flex, "run", lambda q, k, v, *a, **kw: v)
+    seen = []
+    monkeypatch.setattr(b, "hwm", lambda: seen.append(set(flex._block_masks)) or 0)
+    args = b.parse([*TINY, "--layers", "2", "--schemes", case, "--lengths", "64"])
+    b.eval_case(args, case, 64)
+    window = b.make_model(args, case).windows[0]
+    assert len(seen) == 2 and seen[0] == seen[1], seen  # read after the reset, and after the measured forward
+    assert (64, "cpu", window) in seen[0] if window else (64, "cpu") in seen[0]
 
 
 def test_evaluation_in_float32_training_under_autocast(monkeypatch):
