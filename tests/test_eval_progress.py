@@ -95,13 +95,12 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
     monkeypatch.setattr(flex, "_compiled", None)
     flex.reset_compiled()
     torch.manual_seed(0)
-    scheme, T = build_scheme("fire", d_model=32, n_head=4, threshold=8), 16  # queries past L_thr: FIRE needs Flex
+    scheme, T = build_scheme("fire", d_model=32, n_head=4, threshold=8), 16  # (queries past L_thr)
     q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)  # (B, H, T, Dh) each
     callbacks = list(flex._compile_callbacks.start_callbacks)
     try:
         with torch.no_grad(), caplog.at_level(logging.INFO, logger="posbench"):
-            ctx = attention.context(scheme, torch.arange(T), 4)
-            assert ctx.kernel == "flex"
+            ctx = attention.context(scheme, torch.arange(T), 4, kernel="flex")
             attention.attend(q, k, v, ctx)
             if not attention._flex_cpu_works:
                 pytest.skip(f"compiled FlexAttention does not run on this CPU: {caplog.text[-300:]}")
@@ -152,11 +151,12 @@ def test_posbench_eval_shows_a_bar_on_a_terminal_and_appends_to_eval_log(existin
 
 
 def test_fire_evaluated_on_a_cpu_says_when_it_compiles(run_cli, data_cache, tmp_path):
-    """FIRE's evaluation on a CPU of windows that cross its threshold (16, below L here) compiles FlexAttention: the
-    line comes after "evaluating at length 32" and before the next length, on the console and in ``eval.log``
-    (skipped where Flex does not compile: the dense kernel)."""
+    """FIRE's evaluation on a CPU, past its threshold (16, below L here) in sliding-window layers (W = 16), compiles
+    FlexAttention: the line comes after "evaluating at length 32" and before the next length, on the console and in
+    ``eval.log`` (skipped where Flex does not compile: the dense kernel)."""
     run = tmp_path / "fire"
-    trained = run_into(run_cli, data_cache, run, "scheme=fire", "scheme.threshold=16")
+    trained = run_into(run_cli, data_cache, run, "scheme=fire", "scheme.threshold=16", "model.layer_pattern=L",
+                       "model.window=16")
     assert trained.returncode == 0, trained.stdout + trained.stderr
     proc = run_cli("eval", f"run={run}", *EVAL, "device=cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -227,10 +227,11 @@ def test_available_cuda_memory_counts_the_allocator_s_cache_as_free(monkeypatch)
     assert asked == [torch.device("cuda:1")] * 3  # every figure of the run's own device
 
 
-def test_training_fire_through_flex_counts_its_per_pair_tables():
+def test_training_fire_through_flex_counts_its_per_pair_tables(monkeypatch):
     """On CUDA FIRE trains through Flex with its bias of every (query, key) pair as a table (H, T, T) per layer (one
     FIRE per layer): the estimate counts at least the table and its gradient per layer, growing as T², while T5
-    (a per-distance table of H·T values) adds nothing of the kind."""
+    in the shared layout (a per-distance table of H·T values) adds nothing of the kind, and in the pair layout (flex's
+    default) one table for its one instance."""
     model = {"n_layer": 3, "n_head": 4, "d_model": 64, "d_ff": 128}
     fire, t5 = ({"scheme": {"name": name}, "model": model, "vocab_size": 256} for name in ("fire", "t5"))
     assert memory.kernel_for("fire", "cuda", True) == "flex"
@@ -238,7 +239,11 @@ def test_training_fire_through_flex_counts_its_per_pair_tables():
     lse = 3 * 2 * 4 * 512 * memory.LSE_BYTES
     assert at[512] - lse >= 3 * 512 * 512 * 2 * 4 * 4  # three layers' tables and their gradients, float32
     assert 3.5 < (at[512] - lse) / (at[256] - lse / 2) < 4.5
+    monkeypatch.setattr(memory.flex, "OPTIONS", memory.flex.Options("shared"))
     assert memory.step_bytes(t5, 2, 512, "flex", 2, True, "cuda")["attention"] == lse
+    monkeypatch.setattr(memory.flex, "OPTIONS", memory.flex.Options("pair"))
+    pair = memory.step_bytes(t5, 2, 512, "flex", 2, True, "cuda")["attention"] - lse
+    assert 512 * 512 * 2 * 4 * 4 <= pair < 3 * 512 * 512 * 2 * 4 * 4  # one table and its gradient, not three
 
 
 # ---- the check before a run: the refusal, and its switch ------------------------------------------------------
