@@ -56,9 +56,11 @@ SHORT = {"sinks": "S", "recent": "R", "n_local": "local", "n_global": "global", 
 QUERIES = 64  # queries per block of :func:`attend`
 
 
-@dataclass(frozen=True)
-class Remap:
-    """One method with its parameters (see the module docstring; None where the method has no such parameter).
+@dataclass(kw_only=True)
+class Options:
+    """``eval.remap_options``: the methods' parameters, None = the method's default (:func:`defaults`); a parameter of
+    another method than ``eval.remap``'s is refused (:func:`check`). Keyword-only, so that :class:`Remap` adds its
+    method first.
 
     sinks, recent: StreamingLLM's S start tokens and R recent tokens. n_local, n_global, d_max: LM-Infinite's local
     window, its global (starting) tokens and the distance the global ones are read at. window: ReRoPE's w, Leaky
@@ -66,7 +68,6 @@ class Remap:
     1/k). group: Self-Extend's group size G. chunk: DCA's chunk size c (its chunks of keys are s = c − w long).
     """
 
-    method: str
     sinks: Optional[int] = None
     recent: Optional[int] = None
     n_local: Optional[int] = None
@@ -76,6 +77,14 @@ class Remap:
     leak: Optional[float] = None
     group: Optional[int] = None
     chunk: Optional[int] = None
+
+
+@dataclass
+class Remap(Options):
+    """One method with its parameters (:class:`Options`'; see the module docstring; None where the method has no such
+    parameter): ``Remap("self_extend", window=32, group=32)``."""
+
+    method: str
 
     def label(self) -> str:
         """``self_extend(W32,G32)``-like: the method and its parameters."""
@@ -129,22 +138,6 @@ class Remap:
     def period(self) -> int:
         """DCA's s = c − w: the length of its chunks of keys."""
         return self.chunk - self.window
-
-
-@dataclass
-class Options:
-    """``eval.remap_options``: the methods' parameters (:class:`Remap`'s), None = the method's default
-    (:func:`defaults`); a parameter of another method than ``eval.remap``'s is refused (:func:`check`)."""
-
-    sinks: Optional[int] = None
-    recent: Optional[int] = None
-    n_local: Optional[int] = None
-    n_global: Optional[int] = None
-    d_max: Optional[int] = None
-    window: Optional[int] = None
-    leak: Optional[float] = None
-    group: Optional[int] = None
-    chunk: Optional[int] = None
 
 
 def check(method: str, options, train_length: int, longest: int) -> None:
