@@ -470,9 +470,11 @@ def s5_base(p: Probe) -> None:
     s, dev, cuda = p.size, p.device, p.device.type == "cuda"
     L, V = s["L_base"], s["vocab"]
     peak = None
-    if cuda:
-        name = torch.cuda.get_device_name()
-        peak = 989e12 if re.search(r"H100|H200|GH200", name) and not re.search(r"NVL|PCIe", name) else None
+    if cuda:  # the datasheet's dense bf16 peak, from the benchmark's one table of them
+        from scripts.benchmark import PEAKS
+
+        row = next((r for r in PEAKS if re.search(r[0], torch.cuda.get_device_name())), None)
+        peak = None if row is None else row[2] * 1e12
     configs = [(s["batches"][0], False), (s["batches"][1], False), (s["batches"][0], True)]
     results, steps = {}, {}
     for batch, chunked in configs:
