@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 LEVELS: tuple[tuple[str, ...], ...] = (
     # 0 — nothing of posbench: the scheme interface, RoPE's scalings, attention windows, corpora, the passkey probe's
     #     trials, statistics, plots, the report tier's package (it imports nothing), the optimizer, process helpers,
-    #     the attention temperatures and the training-free remaps
+    #     the attention temperatures
     ("schemes.base", "schemes.rope_scaling", "windows", "corpora", "passkey", "report", "report.stats", "report.plots",
-     "optim", "dist", "device", "gpus", "signals", "runlock", "temperature", "remap"),
+     "optim", "dist", "device", "gpus", "signals", "runlock", "temperature"),
     # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
     ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "report.retrieval"),
-    # 2 — the scheme registry, the context-use probe, FlexAttention
-    ("schemes", "context", "flex"),
+    # 2 — the scheme registry, the context-use probe, FlexAttention, the training-free remaps (their kernels)
+    ("schemes", "context", "flex", "remap"),
     # 3 — the attention kernels, a run's record and label, the config's value checks
     ("attention", "results", "config_checks"),
     # 4 — the model, the config schema

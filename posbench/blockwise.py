@@ -1,7 +1,8 @@
 """Causal attention with a bias through SDPA's fused kernels, one block of queries at a time, and the bias blocks:
-the ``folded`` and ``banded`` kernels of posbench/attention.py, and the per-distance table and dense mask its
-kernels share. The kernels take the attention module's context (``ctx``) as built for them; each returns
-softmax(q·kᵀ/√Dh + bias, later keys masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
+the ``folded`` and ``banded`` kernels of posbench/attention.py, the ``regions`` kernel of posbench/remap.py, and the
+per-distance table and dense mask they share. ``folded`` and ``banded`` take the attention module's context (``ctx``)
+as built for them, ``regions`` its plan (:func:`region_plan`); each returns softmax(q·kᵀ/√Dh + bias, later keys
+masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
 
 * ``folded`` — a key-only bias (ALiBi). Softmax ignores a term constant across a query's row, so Press et al. 2022
   (§3)'s −m·(i − j) may be replaced by the key-only −m·(c − j) for a reference position c, which is one extra head
@@ -23,13 +24,21 @@ softmax(q·kᵀ/√Dh + bias, later keys masked) · v, q, k, v (B, H, T, Dh) →
   (:func:`windowed_table`), so the pattern serves it; other positions build each block's mask with the window's.
   Without a far part it takes gradients too: SDPA with the same float mask.
 
-Both take a learned sink logit per head (GPT-OSS): without gradients the block's output times σ(lse − sink), with
+* ``regions`` — an evaluation's remap (posbench/remap.py) of a bias of the distance alone, without gradients: each
+  region's distances re-indexed as one vector per region (``Remap.distance_index``: query i reads D[o(i) + j]), its
+  bias a vector (H, U) built once per forward pass. Per block of queries (rows reversed, as in ``banded``), the keys
+  some query sees (a method's hidden middle skipped), one float mask, and one fused SDPA: keys where every query of
+  the block is in one region copy that region's bias as strided views (a run of queries whose o steps by 0 or 1 is
+  one view), the few keys with a mix of regions (near the diagonal and the regions' borders) select per pair.
+
+All take a learned sink logit per head (GPT-OSS): without gradients the block's output times σ(lse − sink), with
 them the sink as one more key (:func:`with_sink`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +186,104 @@ def banded(q, k, v, ctx, sink: torch.Tensor | None = None) -> torch.Tensor:
             yb = sunk(yb, lse, sink)
         out.append(yb.flip(2) if ctx.masks else yb)
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+# ---- regions: a bias of the distance alone read at a remap's distances (posbench/remap.py) ----------------------
+
+
+@dataclass
+class RegionBlock:
+    """One block of queries [s, e) of :func:`regions`, its rows reversed (as :func:`banded_pattern`'s).
+
+    keys: the intervals [a, b) of keys some query of the block sees, in order; the mask's columns are them joined.
+    pieces: (region, j0, j1, column, inside): keys j0 … j1 − 1 of one interval, at the mask's columns from
+        ``column``, where every query of the block is in ``region`` (inside None), or a mix (region −1; inside: per
+        region with pairs there, (region, its pairs (e − s, j1 − j0) bool, rows reversed)); the rest is hidden.
+    runs: per region, the rows as runs (t0, t1, o at row t0, step): rows t0 … t1 − 1 read the region's bias vector
+        from o + step·(t − t0) + j, step 0 or 1.
+    """
+
+    s: int
+    e: int
+    keys: list
+    pieces: list
+    runs: list
+
+
+def region_plan(offsets: list[torch.Tensor], region_blocks: list) -> list[RegionBlock]:
+    """The :class:`RegionBlock` of each block of queries: ``offsets`` per region o (T,) int64 (``Remap.distance_index``:
+    query i reads its region's bias vector at o(i) + j); ``region_blocks`` (s, e, regions (e − s, e) int8: each pair's
+    region, −1 where hidden or later)."""
+    plan = []
+    for s, e, region in region_blocks:
+        region = region.flip(0)  # rows reversed: query e − 1 first
+        same = (region == region[:1]).all(0)  # (e,): one region for every query of the block
+        kind = torch.where(same, region[0], -2)  # region, −1 hidden, −2 mixed
+        values, counts = torch.unique_consecutive(kind, return_counts=True)
+        keys, pieces, j0, column = [], [], 0, 0
+        for value, count in zip(values.tolist(), counts.tolist()):
+            j1 = j0 + count
+            if value != -1:
+                if keys and keys[-1][1] == j0:
+                    keys[-1] = (keys[-1][0], j1)
+                else:
+                    keys.append((j0, j1))
+                part = region[:, j0:j1]  # (e-s, j1-j0)
+                inside = [(r, pairs) for r in range(len(offsets)) if (pairs := part == r).any()] if value == -2 else None
+                pieces.append((max(value, -1), j0, j1, column, inside))
+                column += count
+            j0 = j1
+        plan.append(RegionBlock(s, e, keys, pieces, [_runs(o[s:e].flip(0).tolist()) for o in offsets]))
+    return plan
+
+
+def _runs(o: list[int]) -> list[tuple[int, int, int, int]]:
+    """Rows 0 … len(o) − 1 reading from o[t] as maximal runs (t0, t1, o[t0], step), o[t] = o[t0] + step·(t − t0)
+    within a run, step 0 or 1 (a lone row: 0)."""
+    runs, t0 = [], 0
+    while t0 < len(o):
+        step = o[t0 + 1] - o[t0] if t0 + 1 < len(o) and o[t0 + 1] - o[t0] in (0, 1) else 0
+        t1 = t0 + 1
+        while t1 < len(o) and o[t1] - o[t1 - 1] == step:
+            t1 += 1
+        runs.append((t0, t1, o[t0], step))
+        t0 = t1
+    return runs
+
+
+def _read(out: torch.Tensor, vector: torch.Tensor, runs: list, j0: int, j1: int) -> None:
+    """Into ``out`` (H, Q, j1 − j0): row t, column j − j0 ← vector[:, o(t) + j], one strided view per run of rows."""
+    H = vector.shape[0]
+    for t0, t1, o0, step in runs:
+        out[:, t0:t1].copy_(vector.as_strided((H, t1 - t0, j1 - j0), (vector.stride(0), step, 1),
+                                              vector.storage_offset() + o0 + j0))
+
+
+def regions(q, k, v, vectors: list[torch.Tensor], plan: list[RegionBlock],
+            sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ/√Dh + each pair's region's bias, hidden pairs masked) · v without gradients, one SDPA per block of
+    queries with a float mask of the keys it sees: region r's pairs read its bias vector ``vectors[r]`` (H, U_r),
+    contiguous, at o_r(i) + j (``Remap.distance_index``); ``plan``: :func:`region_plan`'s; ``sink`` (H,) joins each
+    denominator (:func:`sunk`). q, k, v: (B, H, T, Dh) in float32 or float64 → (B, H, T, Dh)."""
+    H = q.shape[1]
+    out = torch.empty_like(q)
+    sizes = [(block.e - block.s) * sum(b - a for a, b in block.keys) for block in plan]
+    work = torch.empty(H, max(sizes), dtype=q.dtype, device=q.device)  # one buffer: fresh pages per block cost more
+    for block, size in zip(plan, sizes):
+        s, e = block.s, block.e
+        mask = work[:, :size].view(H, e - s, -1)  # (H, e-s, K) contiguous per head
+        for region, j0, j1, column, inside in block.pieces:
+            view = mask[..., column: column + j1 - j0]  # (H, e-s, j1-j0)
+            if inside is None:
+                _read(view, vectors[region], block.runs[region], j0, j1)
+                continue
+            view.fill_(float("-inf"))
+            part = torch.empty_like(view)
+            for r, pairs in inside:
+                _read(part, vectors[r], block.runs[r], j0, j1)
+                view.copy_(torch.where(pairs, part, view))
+        kb, vb = (x[:, :, block.keys[0][0]: block.keys[0][1]] if len(block.keys) == 1 else
+                  torch.cat([x[:, :, a:b] for a, b in block.keys], dim=2) for x in (k, v))  # (B, H, K, Dh)
+        yb, lse = flash_cpu(q[:, :, s:e].flip(2), kb, vb, 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
+        out[:, :, s:e] = (sunk(yb, lse, sink) if sink is not None else yb).flip(2)
+    return out

@@ -42,6 +42,8 @@ from typing import Optional
 
 import torch
 
+from posbench import blockwise
+
 METHODS = ("none", "streaming", "lm_infinite", "rerope", "leaky_rerope", "self_extend", "dca")  # eval.remap
 PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label order
     "streaming": ("sinks", "recent"),
@@ -97,21 +99,23 @@ class Remap(Options):
         return 3 if self.method == "dca" else 2
 
     def region_of(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        """i: (Q, 1), j: (1, K) int64 indices → (Q, K) int64: the region of each pair, −1 where the method hides the
+        """i: (Q, 1), j: (1, K) integer indices → (Q, K) int8: the region of each pair, −1 where the method hides the
         key or it comes after the query."""
-        d = i - j
-        causal = d >= 0
-        if self.method == "dca":
+        if self.method == "dca":  # 0 intra, 1 successive, 2 inter
             behind = torch.div(i, self.period, rounding_mode="floor") - torch.div(j, self.period, rounding_mode="floor")
-            return torch.where(causal, behind.clamp(max=2), -1)  # 0 intra, 1 successive, 2 inter
-        if self.method == "streaming":
-            near, far = d <= self.recent, j < self.sinks
-        elif self.method == "lm_infinite":
-            near, far = d < self.n_local, j < self.n_global
+            region = behind.clamp(max=2).to(torch.int8)
         else:
-            near, far = d < self.window, torch.ones_like(causal)
-        region = torch.where(near, 0, torch.where(far, 1, -1))
-        return torch.where(causal, region, -1)
+            d = i - j
+            if self.method == "streaming":
+                near, far = d <= self.recent, j < self.sinks
+            elif self.method == "lm_infinite":
+                near, far = d < self.n_local, j < self.n_global
+            else:
+                near, far = d < self.window, None
+            region = (~near).to(torch.int8)  # 0 near, 1 far
+            if far is not None:
+                region.masked_fill_(~(near | far), -1)
+        return region.masked_fill_(j > i, -1)
 
     def positions(self, region: int, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(P_q (T,), P_k (T,)) float64: the positions of queries i = 0 … T − 1 and keys j = 0 … T − 1 in ``region``."""
@@ -133,6 +137,38 @@ class Remap(Options):
             return self.window + (n - self.window) / self.leak, n / self.leak
         W, G = self.window, self.group  # self_extend
         return torch.floor(n / G) + W - W // G, torch.floor(n / G)
+
+    def distance_index(self, region: int, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distances of ``region`` re-indexed as one row per query: (o (T,) int64 ≥ 0, D (max(o) + T,) float64)
+        with P_q(i) − P_k(j) = D[o(i) + j] for every pair (i, j) of the region (pairs outside it read anything).
+        A bias of the distance alone is then D's bias at o(i) + j, so each query's row of bias is a slice of one vector,
+        and queries whose o steps by 0 or −1 share a strided view of it (posbench/blockwise.py's ``regions``).
+
+        Per region, with s = c − w (DCA) and u = o(i) + j before o is shifted to start at 0:
+        keys at j (every near region, StreamingLLM's sinks, DCA's intra-chunk keys): o = −P_q(i), D(u) = −u;
+        one distance c (ReRoPE's and LM-Infinite's far keys): o = 0, D(u) = c; Leaky ReRoPE's far keys: o = −i,
+        D(u) = w + (−u − w)/k; Self-Extend's grouped keys at ⌊j/G⌋: o = −G·P_q(i), D(u) = −⌊u/G⌋; DCA's previous
+        chunk (keys at j − s(⌊i/s⌋ − 1)): o = −P_q(i) − s(⌊i/s⌋ − 1), D(u) = −u; DCA's earlier chunks (keys at
+        j mod s): o = 0, D(u) = P_q − (u mod s)."""
+        qp, _ = self.positions(region, T, device)  # (T,) float64
+        n, m = torch.arange(T, device=device, dtype=torch.float64), self.method
+        if m == "dca" and region == 0:  # the same chunk: i mod s − j mod s = i − j
+            o, distance = -n, lambda u: -u
+        elif region == 0 or m == "streaming":
+            o, distance = -qp, lambda u: -u
+        elif m in ("rerope", "lm_infinite"):
+            o, distance = torch.zeros_like(n), lambda u: torch.full_like(u, float(qp[0]))
+        elif m == "leaky_rerope":
+            o, distance = -n, lambda u: self.window + (-u - self.window) / self.leak
+        elif m == "self_extend":
+            o, distance = -self.group * qp, lambda u: -torch.floor(u / self.group)
+        elif region == 1:  # dca, the previous chunk
+            o, distance = -qp - self.period * (torch.floor(n / self.period) - 1), lambda u: -u
+        else:  # dca, the chunks before it
+            o, distance = torch.zeros_like(n), lambda u: qp[0] - torch.remainder(u, self.period)
+        low = o.min()
+        o = (o - low).long()
+        return o, distance(torch.arange(int(o.max()) + T, device=device, dtype=torch.float64) + low)
 
     @property
     def period(self) -> int:
@@ -224,7 +260,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: 
     The regions' scores merge by an elementwise maximum (each pair is in one region, −inf elsewhere) and the softmax
     runs in place, so a block holds two score buffers at most.
 
+    A bias of the distance alone on CPU in float32/float64 runs instead one fused SDPA per block with a float mask
+    read from each region's bias vector (``prepared.plan``: posbench/blockwise.py's ``regions``).
+
     q, k, v: (B, H, T, Dh), q and k not rotated; ``prepared``: :func:`prepare`'s for this T → (B, H, T, Dh)."""
+    if prepared.plan is not None:
+        return blockwise.regions(q, k, v, prepared.tables, prepared.plan, sink)
     B, H, T, Dh = q.shape
     dtype = torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(Dh)
@@ -255,19 +296,35 @@ class Prepared:
     """What :func:`attend` needs for one window length, made once per forward pass and shared by the layers.
 
     tables: per region, ``("rotate", query tables, key tables)`` for a rotary scheme, ``("bias", P_q, P_k)`` for a bias
-        scheme, None for a scheme that reads no position per pair.
+        scheme, None for a scheme that reads no position per pair; with ``plan``, the bias vector (H, U) of its
+        distances (``Remap.distance_index``).
     blocks: per block of queries [s, e): (s, e, [(region, lo, hi, the pairs among keys lo…hi − 1 *not* in it
         (e − s, hi − lo) bool), …]), each region that has pairs in the block.
+    plan: a bias of the distance alone on CPU in float32/float64: posbench/blockwise.py's ``region_plan`` (then
+        ``blocks`` is empty), else None.
     """
 
     tables: list
     blocks: list
+    plan: list | None = None
 
 
 def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepared:
     """The :class:`Prepared` of ``scheme`` under ``remap`` for a window of T: each region's rotation tables
-    (``scheme.rotation`` at its positions, one centre for the queries' and the keys') or bias positions, and each block's
-    regions and the keys they span."""
+    (``scheme.rotation`` at its positions, one centre for the queries' and the keys'), bias positions or bias vector,
+    and each block's regions and the keys they span."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    region_blocks = []
+    for s in range(0, T, QUERIES):
+        e = min(T, s + QUERIES)
+        region_blocks.append((s, e, remap.region_of(torch.arange(s, e, device=device, dtype=torch.int32)[:, None],
+                                                    torch.arange(e, device=device, dtype=torch.int32)[None])))
+    if by_distance(scheme, dtype, device):
+        index = [remap.distance_index(r, T, device) for r in range(remap.regions())]
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()  # (no gradient:
+                   for _, D in index]  # an evaluation)
+        return Prepared(vectors, [], blockwise.region_plan([o for o, _ in index], region_blocks))  # (H, U_r) each
     tables = []
     for r in range(remap.regions()):
         qp, kp = remap.positions(r, T, device)
@@ -280,9 +337,7 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
         else:
             tables.append(None)
     blocks = []
-    for s in range(0, T, QUERIES):
-        e = min(T, s + QUERIES)
-        region = remap.region_of(torch.arange(s, e, device=device)[:, None], torch.arange(e, device=device)[None])
+    for s, e, region in region_blocks:
         parts = []
         for r in range(remap.regions()):
             keys = (region == r).any(0).nonzero()
@@ -291,6 +346,14 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
                 parts.append((r, lo, hi, region[:, lo:hi] != r))
         blocks.append((s, e, parts))
     return Prepared(tables, blocks)
+
+
+def by_distance(scheme, dtype: torch.dtype, device) -> bool:
+    """Whether :func:`attend` runs ``scheme`` through bias vectors per region (posbench/blockwise.py's ``regions``): a
+    bias of the distance alone (``distance_table`` or ``translation_invariant``), on CPU with torch's fused attention,
+    in float32 or float64."""
+    return (scheme.has_bias and (scheme.distance_table or scheme.translation_invariant) and device.type == "cpu"
+            and dtype in (torch.float32, torch.float64) and blockwise.flash_cpu is not None)
 
 
 def _integral(p: torch.Tensor) -> torch.Tensor:

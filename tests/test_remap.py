@@ -141,15 +141,86 @@ def test_xpos_attention_matches_the_reference(method):
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
 @pytest.mark.parametrize("T", [L, 16 * L])
-def test_alibi_reads_the_remapped_distance(method, T):
+@pytest.mark.parametrize("kernel", ["regions", "per pair"])
+def test_alibi_reads_the_remapped_distance(method, T, kernel, monkeypatch):
+    """Through both kernels: each region's bias vector in one SDPA per block (blockwise.regions, a bias of the
+    distance alone on CPU), and each region's q·kᵀ plus ``pair_bias`` merged in one softmax (every other case)."""
+    if kernel == "per pair":
+        monkeypatch.setattr(remap, "by_distance", lambda *args: False)
     q, k, v = qkv(T, 2)
     slopes = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3
 
     def score(h, i, j, d):
         return float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) - slopes[h] * d
 
-    assert_close(run(build_scheme("alibi", H * DH, H), method, q, k, v),
-                 reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
+    alibi = build_scheme("alibi", H * DH, H)
+    assert (remap.prepare(alibi, method, T, torch.float64, q.device).plan is not None) == (kernel == "regions")
+    assert_close(run(alibi, method, q, k, v), reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+@pytest.mark.parametrize("T", [L, 4 * L, 16 * L])
+def test_each_regions_distances_are_one_vector_read_at_an_offset_per_query(method, T):
+    """``Remap.distance_index``: P_q(i) − P_k(j) = D[o(i) + j] for every pair of every region, o ≥ 0."""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    region = method.region_of(i, j)
+    for r in range(method.regions()):
+        o, D = method.distance_index(r, T)
+        qp, kp = method.positions(r, T)
+        assert o.dtype == torch.long and int(o.min()) == 0 and D.shape == (int(o.max()) + T,)
+        pairs = region == r
+        assert pairs.any() or T == L  # (at L, LM-Infinite's window covers every key)
+        assert torch.equal(D[(o[:, None] + j).expand(T, T)][pairs], (qp[:, None] - kp[None]).expand(T, T)[pairs])
+
+
+@pytest.mark.parametrize("name", ["t5", "kerple_log", "sandwich"])
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+def test_table_schemes_read_the_remapped_distance(name, method):
+    """T5 (buckets), KERPLE-log and Sandwich through the regions kernel at 16L: each pair's bias is the scheme's at the
+    distance the reference reads (``pair_bias`` of that one distance, as a number)."""
+    if name == "t5" and method.method == "leaky_rerope":
+        pytest.skip("refused: T5's buckets take whole distances")
+    T = 16 * L
+    q, k, v = qkv(T, 5)
+    scheme = build_scheme(name, H * DH, H)
+    with torch.no_grad():
+        for p in scheme.parameters():  # away from the initial values, so that heads and distances differ
+            p.add_(torch.rand_like(p) * 0.5)
+    zero, cache = torch.zeros(1, dtype=torch.long), {}
+
+    def bias(h, d):
+        if d not in cache:
+            position = torch.tensor([d], dtype=torch.long if float(d).is_integer() else torch.float64)
+            cache[d] = scheme.pair_bias(position, zero, torch.float64)[:, 0, 0].tolist()
+        return cache[d][h]
+
+    def score(h, i, j, d):
+        return float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) + bias(h, int(d) if float(d).is_integer() else d)
+
+    assert remap.prepare(scheme, method, T, torch.float64, q.device).plan is not None
+    assert_close(run(scheme, method, q, k, v), reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
+
+
+def test_the_regions_kernel_in_float32_and_with_a_sink():
+    """float32 q, k, v against the float64 reference at 16L, and a sink logit in each denominator (Self-Extend)."""
+    T, method = 16 * L, METHODS[4]
+    q, k, v = qkv(T, 6)
+    sink = torch.tensor([0.4, -0.9], dtype=torch.float64)
+    slopes, pairs = [2 ** (-8 * h / H) for h in range(1, H + 1)], reference_distances(method, T)
+    expected = torch.zeros_like(v)
+    for h in range(H):
+        for i in range(T):
+            keys = [j for j in range(i + 1) if (i, j) in pairs]
+            logits = [float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) - slopes[h] * pairs[i, j] for j in keys]
+            weights = torch.softmax(torch.tensor(logits + [float(sink[h])], dtype=torch.float64), 0)[:-1]
+            expected[0, h, i] = weights @ v[0, h, keys]
+    alibi = build_scheme("alibi", H * DH, H)
+    got = remap.attend(q, k, v, alibi, remap.prepare(alibi, method, T, torch.float64, q.device), sink)
+    assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    got = remap.attend(q32, k32, v32, alibi, remap.prepare(alibi, method, T, torch.float32, q.device), sink.float())
+    assert got.dtype == torch.float32
+    assert_close(got.double(), expected, atol=2e-5, rtol=0)
 
 
 def test_a_sink_logit_joins_every_denominator():
