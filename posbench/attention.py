@@ -143,8 +143,9 @@ class Context:
             ``rotation`` (of all T positions: q and k turn by their own) then describes one chunk, positions ``pos[:C]``.
         sink: the layers of this context add a learned sink logit to each softmax (:func:`attend`'s ``sink``).
         pad: flex on CPU: the zero rows q, k and v get after their T (``flex.cpu_padding``), later keys to every query.
-        remap, prepared: remap: the evaluation's method (posbench/remap.py), and its per-region rotations or bias
-            positions and per-block regions (``remap.prepare``); the layers then pass q and k unrotated.
+        remap, prepared: remap: the evaluation's method (posbench/remap.py), and its per-region rotations, bias
+            positions or bias vectors, and per-block regions (``remap.prepare``); the layers then pass q and k
+            unrotated.
     """
 
     scheme: PositionalScheme

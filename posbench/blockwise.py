@@ -200,7 +200,7 @@ class RegionBlock:
         ``column``, where every query of the block is in ``region`` (inside None), or a mix (region −1; inside: per
         region with pairs there, (region, its pairs (e − s, j1 − j0) bool, rows reversed)); the rest is hidden.
     runs: per region, the rows as runs (t0, t1, o at row t0, step): rows t0 … t1 − 1 read the region's bias vector
-        from o + step·(t − t0) + j, step 0 or 1.
+        from o + step·(t − t0) + j, step 0 or 1 (:func:`regions`; empty for :func:`rotated`).
     """
 
     s: int
@@ -210,10 +210,10 @@ class RegionBlock:
     runs: list
 
 
-def region_plan(offsets: list[torch.Tensor], region_blocks: list) -> list[RegionBlock]:
-    """The :class:`RegionBlock` of each block of queries: ``offsets`` per region o (T,) int64 (``Remap.distance_index``:
-    query i reads its region's bias vector at o(i) + j); ``region_blocks`` (s, e, regions (e − s, e) int8: each pair's
-    region, −1 where hidden or later)."""
+def region_plan(region_blocks: list, regions: int, offsets: list[torch.Tensor] | None = None) -> list[RegionBlock]:
+    """The :class:`RegionBlock` of each block of queries: ``region_blocks`` (s, e, regions (e − s, e) int8: each pair's
+    region 0 … ``regions`` − 1, −1 where hidden or later); ``offsets`` for :func:`regions`, per region o (T,) int64
+    (``Remap.distance_index``: query i reads its region's bias vector at o(i) + j), None for :func:`rotated`."""
     plan = []
     for s, e, region in region_blocks:
         region = region.flip(0)  # rows reversed: query e − 1 first
@@ -229,11 +229,11 @@ def region_plan(offsets: list[torch.Tensor], region_blocks: list) -> list[Region
                 else:
                     keys.append((j0, j1))
                 part = region[:, j0:j1]  # (e-s, j1-j0)
-                inside = [(r, pairs) for r in range(len(offsets)) if (pairs := part == r).any()] if value == -2 else None
+                inside = [(r, pairs) for r in range(regions) if (pairs := part == r).any()] if value == -2 else None
                 pieces.append((max(value, -1), j0, j1, column, inside))
                 column += count
             j0 = j1
-        plan.append(RegionBlock(s, e, keys, pieces, [_runs(o[s:e].flip(0).tolist()) for o in offsets]))
+        plan.append(RegionBlock(s, e, keys, pieces, [_runs(o[s:e].flip(0).tolist()) for o in offsets or []]))
     return plan
 
 
@@ -286,4 +286,31 @@ def regions(q, k, v, vectors: list[torch.Tensor], plan: list[RegionBlock],
                   torch.cat([x[:, :, a:b] for a, b in block.keys], dim=2) for x in (k, v))  # (B, H, K, Dh)
         yb, lse = flash_cpu(q[:, :, s:e].flip(2), kb, vb, 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
         out[:, :, s:e] = (sunk(yb, lse, sink) if sink is not None else yb).flip(2)
+    return out
+
+
+def rotated(qs: list[torch.Tensor], ks: list[torch.Tensor], v: torch.Tensor, plan: list[RegionBlock],
+            sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over every region's q_r·k_rᵀ/√Dh (hidden pairs masked) · v without gradients: per block of queries,
+    one fused SDPA per piece of keys and region in it (unmasked where every query of the block is in the region, a
+    float mask where regions mix), all merged by their log-sum-exps; ``sink`` (H,) joins each denominator.
+    qs, ks: per region, q and k turned by its positions, (B, H, T, Dh) in float32 or float64; v: (B, H, T, Dh);
+    ``plan``: :func:`region_plan`'s → (B, H, T, Dh)."""
+    out = torch.empty_like(v)
+    for block in plan:
+        s, e = block.s, block.e
+        queries = [q[:, :, s:e].flip(2) for q in qs]  # rows reversed, as the plan's
+        ys, lses = [], []
+        for region, j0, j1, _, inside in block.pieces:
+            for r, pairs in inside or [(region, None)]:
+                mask = None if pairs is None else torch.zeros(pairs.shape, dtype=v.dtype, device=v.device).masked_fill_(
+                    ~pairs, float("-inf"))[None, None]  # (1, 1, e-s, j1-j0)
+                y, lse = flash_cpu(queries[r], ks[r][:, :, j0:j1], v[:, :, j0:j1], 0.0, False, attn_mask=mask)
+                if pairs is not None:  # a query with no key here: SDPA gives y = 0 and lse = 0, the merge needs −inf
+                    lse = lse.masked_fill(~pairs.any(1), float("-inf"))
+                ys.append(y)
+                lses.append(lse)  # (B, H, e-s)
+        lse = torch.logsumexp(torch.stack(lses), 0)  # (B, H, e-s)
+        y = sum(yi * (li - lse).exp()[..., None].to(yi.dtype) for yi, li in zip(ys, lses))  # (B, H, e-s, Dh)
+        out[:, :, s:e] = (sunk(y, lse, sink) if sink is not None else y).flip(2)
     return out

@@ -260,10 +260,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: 
     The regions' scores merge by an elementwise maximum (each pair is in one region, −inf elsewhere) and the softmax
     runs in place, so a block holds two score buffers at most.
 
-    A bias of the distance alone on CPU in float32/float64 runs instead one fused SDPA per block with a float mask
-    read from each region's bias vector (``prepared.plan``: posbench/blockwise.py's ``regions``).
+    On CPU in float32/float64 (``prepared.plan``) SDPA's fused kernel runs instead (posbench/blockwise.py): for a bias
+    of the distance alone, or none, one call per block with a float mask read from each region's bias vector
+    (``regions``); for a rotary scheme, one call per region and piece of keys, merged by log-sum-exp (``rotated``).
+    Everything else (a bias of i and j such as FIRE's, CUDA, bf16) runs the scores below.
 
     q, k, v: (B, H, T, Dh), q and k not rotated; ``prepared``: :func:`prepare`'s for this T → (B, H, T, Dh)."""
+    if prepared.plan is not None and scheme.rotary:
+        qs, ks = zip(*(scheme.rotate(q, k, t[1], t[2]) for t in prepared.tables))
+        return blockwise.rotated(list(qs), list(ks), v, prepared.plan, sink)
     if prepared.plan is not None:
         return blockwise.regions(q, k, v, prepared.tables, prepared.plan, sink)
     B, H, T, Dh = q.shape
@@ -296,12 +301,12 @@ class Prepared:
     """What :func:`attend` needs for one window length, made once per forward pass and shared by the layers.
 
     tables: per region, ``("rotate", query tables, key tables)`` for a rotary scheme, ``("bias", P_q, P_k)`` for a bias
-        scheme, None for a scheme that reads no position per pair; with ``plan``, the bias vector (H, U) of its
-        distances (``Remap.distance_index``).
+        scheme, None for a scheme that reads no position per pair; with ``plan`` and not rotary, the bias vector
+        (H, U) of its distances (``Remap.distance_index``; zeros (1, U) for no bias).
     blocks: per block of queries [s, e): (s, e, [(region, lo, hi, the pairs among keys lo…hi − 1 *not* in it
         (e − s, hi − lo) bool), …]), each region that has pairs in the block.
-    plan: a bias of the distance alone on CPU in float32/float64: posbench/blockwise.py's ``region_plan`` (then
-        ``blocks`` is empty), else None.
+    plan: on CPU in float32/float64 (:func:`fused_here`) for a rotary scheme, a bias of the distance alone or none:
+        posbench/blockwise.py's ``region_plan`` (then ``blocks`` is empty), else None.
     """
 
     tables: list
@@ -319,12 +324,14 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
         e = min(T, s + QUERIES)
         region_blocks.append((s, e, remap.region_of(torch.arange(s, e, device=device, dtype=torch.int32)[:, None],
                                                     torch.arange(e, device=device, dtype=torch.int32)[None])))
-    if by_distance(scheme, dtype, device):
+    fused = fused_here(dtype, device)
+    if fused and not scheme.rotary and (not scheme.has_bias or scheme.distance_table or scheme.translation_invariant):
         index = [remap.distance_index(r, T, device) for r in range(remap.regions())]
         zero = torch.zeros(1, dtype=torch.long, device=device)
-        vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()  # (no gradient:
-                   for _, D in index]  # an evaluation)
-        return Prepared(vectors, [], blockwise.region_plan([o for o, _ in index], region_blocks))  # (H, U_r) each
+        vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()
+                   if scheme.has_bias else torch.zeros(1, D.numel(), dtype=dtype, device=device)
+                   for _, D in index]  # (H, U_r) each (no gradient: an evaluation); no bias: zeros
+        return Prepared(vectors, [], blockwise.region_plan(region_blocks, remap.regions(), [o for o, _ in index]))
     tables = []
     for r in range(remap.regions()):
         qp, kp = remap.positions(r, T, device)
@@ -336,6 +343,8 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
             tables.append(("bias", _integral(qp), _integral(kp)))
         else:
             tables.append(None)
+    if fused and scheme.rotary:
+        return Prepared(tables, [], blockwise.region_plan(region_blocks, remap.regions()))
     blocks = []
     for s, e, region in region_blocks:
         parts = []
@@ -348,12 +357,10 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
     return Prepared(tables, blocks)
 
 
-def by_distance(scheme, dtype: torch.dtype, device) -> bool:
-    """Whether :func:`attend` runs ``scheme`` through bias vectors per region (posbench/blockwise.py's ``regions``): a
-    bias of the distance alone (``distance_table`` or ``translation_invariant``), on CPU with torch's fused attention,
-    in float32 or float64."""
-    return (scheme.has_bias and (scheme.distance_table or scheme.translation_invariant) and device.type == "cpu"
-            and dtype in (torch.float32, torch.float64) and blockwise.flash_cpu is not None)
+def fused_here(dtype: torch.dtype, device) -> bool:
+    """Whether :func:`attend` runs SDPA's fused CPU kernel per block (posbench/blockwise.py's ``regions`` for a bias of
+    the distance alone or none, ``rotated`` for a rotary scheme): on CPU, in float32 or float64, where torch has it."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64) and blockwise.flash_cpu is not None
 
 
 def _integral(p: torch.Tensor) -> torch.Tensor:

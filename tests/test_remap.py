@@ -121,7 +121,12 @@ def qkv(T: int, seed: int):
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
 @pytest.mark.parametrize("T", [L, 4 * L, 16 * L])
-def test_rope_attention_matches_the_reference(method, T):
+@pytest.mark.parametrize("kernel", ["rotated", "per pair"])
+def test_rope_attention_matches_the_reference(method, T, kernel, monkeypatch):
+    """Through both kernels: one SDPA per region and piece of keys, merged by log-sum-exp (blockwise.rotated, on CPU),
+    and each region's q·kᵀ merged in one softmax (CUDA, bf16)."""
+    if kernel == "per pair":
+        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
     q, k, v = qkv(T, T)
     rope = build_scheme("rope", H * DH, H)
     expected = reference_attention(method, q, k, v, lambda h, i, j, d: rope_score(q[0, h, i], k[0, h, j], d))
@@ -146,7 +151,7 @@ def test_alibi_reads_the_remapped_distance(method, T, kernel, monkeypatch):
     """Through both kernels: each region's bias vector in one SDPA per block (blockwise.regions, a bias of the
     distance alone on CPU), and each region's q·kᵀ plus ``pair_bias`` merged in one softmax (every other case)."""
     if kernel == "per pair":
-        monkeypatch.setattr(remap, "by_distance", lambda *args: False)
+        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
     q, k, v = qkv(T, 2)
     slopes = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3
 
@@ -223,8 +228,11 @@ def test_the_regions_kernel_in_float32_and_with_a_sink():
     assert_close(got.double(), expected, atol=2e-5, rtol=0)
 
 
-def test_a_sink_logit_joins_every_denominator():
+@pytest.mark.parametrize("kernel", ["rotated", "per pair"])
+def test_a_sink_logit_joins_every_denominator(kernel, monkeypatch):
     """GPT-OSS's sink: exp(s_h) in each query's denominator, no value; with StreamingLLM's mask, at 4L."""
+    if kernel == "per pair":
+        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
     T, method = 4 * L, METHODS[0]
     q, k, v = qkv(T, 4)
     sink = torch.tensor([0.7, -1.3], dtype=torch.float64)
@@ -240,9 +248,12 @@ def test_a_sink_logit_joins_every_denominator():
 
 
 @pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.method)
-def test_nope_and_an_absolute_scheme_keep_only_the_mask(method):
+@pytest.mark.parametrize("kernel", ["regions", "per pair"])
+def test_nope_and_an_absolute_scheme_keep_only_the_mask(method, kernel, monkeypatch):
     """NoPE (and learned or sinusoidal positions, added to the embeddings) reads no distance: only the keys a method
     hides change its attention."""
+    if kernel == "per pair":
+        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
     T = 4 * L
     q, k, v = qkv(T, 3)
     expected = reference_attention(method, q, k, v, lambda h, i, j, d: float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH))
