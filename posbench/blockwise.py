@@ -196,9 +196,10 @@ class RegionBlock:
     """One block of queries [s, e) of :func:`regions`, its rows reversed (as :func:`banded_pattern`'s).
 
     keys: the intervals [a, b) of keys some query of the block sees, in order; the mask's columns are them joined.
-    pieces: (region, j0, j1, column, inside): keys j0 … j1 − 1 of one interval, at the mask's columns from
-        ``column``, where every query of the block is in ``region`` (inside None), or a mix (region −1; inside: per
-        region with pairs there, (region, its pairs (e − s, j1 − j0) bool, rows reversed)); the rest is hidden.
+    pieces: (region, j0, j1, column, inside, hidden): keys j0 … j1 − 1 of one interval, at the mask's columns from
+        ``column``, where every query of the block is in ``region`` (inside and hidden None), or a mix (region −1;
+        inside: per region with pairs there, (region, its pairs (e − s, j1 − j0) bool, rows reversed); hidden: the
+        pairs of none).
     runs: per region, the rows as runs (t0, t1, o at row t0, step): rows t0 … t1 − 1 read the region's bias vector
         from o + step·(t − t0) + j, step 0 or 1 (:func:`regions`; empty for :func:`rotated`).
     """
@@ -230,7 +231,7 @@ def region_plan(region_blocks: list, regions: int, offsets: list[torch.Tensor] |
                     keys.append((j0, j1))
                 part = region[:, j0:j1]  # (e-s, j1-j0)
                 inside = [(r, pairs) for r in range(regions) if (pairs := part == r).any()] if value == -2 else None
-                pieces.append((max(value, -1), j0, j1, column, inside))
+                pieces.append((max(value, -1), j0, j1, column, inside, part < 0 if value == -2 else None))
                 column += count
             j0 = j1
         plan.append(RegionBlock(s, e, keys, pieces, [_runs(o[s:e].flip(0).tolist()) for o in offsets or []]))
@@ -272,16 +273,18 @@ def regions(q, k, v, vectors: list[torch.Tensor], plan: list[RegionBlock],
     for block, size in zip(plan, sizes):
         s, e = block.s, block.e
         mask = work[:, :size].view(H, e - s, -1)  # (H, e-s, K) contiguous per head
-        for region, j0, j1, column, inside in block.pieces:
+        for region, j0, j1, column, inside, hidden in block.pieces:
             view = mask[..., column: column + j1 - j0]  # (H, e-s, j1-j0)
             if inside is None:
                 _read(view, vectors[region], block.runs[region], j0, j1)
                 continue
-            view.fill_(float("-inf"))
-            part = torch.empty_like(view)
-            for r, pairs in inside:
+            (first, _), *others = inside
+            _read(view, vectors[first], block.runs[first], j0, j1)
+            part = torch.empty_like(view) if others else None
+            for r, pairs in others:
                 _read(part, vectors[r], block.runs[r], j0, j1)
-                view.copy_(torch.where(pairs, part, view))
+                torch.where(pairs, part, view, out=view)
+            view.masked_fill_(hidden, float("-inf"))
         kb, vb = (x[:, :, block.keys[0][0]: block.keys[0][1]] if len(block.keys) == 1 else
                   torch.cat([x[:, :, a:b] for a, b in block.keys], dim=2) for x in (k, v))  # (B, H, K, Dh)
         yb, lse = flash_cpu(q[:, :, s:e].flip(2), kb, vb, 0.0, False, attn_mask=mask[None])  # (B, H, e-s, Dh)
@@ -301,7 +304,7 @@ def rotated(qs: list[torch.Tensor], ks: list[torch.Tensor], v: torch.Tensor, pla
         s, e = block.s, block.e
         queries = [q[:, :, s:e].flip(2) for q in qs]  # rows reversed, as the plan's
         ys, lses = [], []
-        for region, j0, j1, _, inside in block.pieces:
+        for region, j0, j1, _, inside, _ in block.pieces:
             for r, pairs in inside or [(region, None)]:
                 mask = None if pairs is None else torch.zeros(pairs.shape, dtype=v.dtype, device=v.device).masked_fill_(
                     ~pairs, float("-inf"))[None, None]  # (1, 1, e-s, j1-j0)

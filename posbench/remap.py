@@ -36,6 +36,7 @@ is not part of it).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -55,7 +56,8 @@ PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label or
 }
 SHORT = {"sinks": "S", "recent": "R", "n_local": "local", "n_global": "global", "d_max": "dmax", "window": "w",
          "leak": "k", "group": "G", "chunk": "c"}  # in labels: rope@rerope(w16)
-QUERIES = 64  # queries per block of :func:`attend`
+QUERIES = 64  # queries per block of :func:`attend`'s scores
+FUSED_QUERIES = 128  # queries per block of SDPA's fused kernel (:func:`fused_here`; fewer calls beat smaller masks)
 
 
 @dataclass(kw_only=True)
@@ -81,10 +83,11 @@ class Options:
     chunk: Optional[int] = None
 
 
-@dataclass
+@dataclass(unsafe_hash=True)
 class Remap(Options):
     """One method with its parameters (:class:`Options`'; see the module docstring; None where the method has no such
-    parameter): ``Remap("self_extend", window=32, group=32)``."""
+    parameter): ``Remap("self_extend", window=32, group=32)``. Hashed by its fields (:func:`fused_plan` keeps plans by
+    it): not changed once built."""
 
     method: str
 
@@ -317,21 +320,17 @@ class Prepared:
 def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepared:
     """The :class:`Prepared` of ``scheme`` under ``remap`` for a window of T: each region's rotation tables
     (``scheme.rotation`` at its positions, one centre for the queries' and the keys'), bias positions or bias vector,
-    and each block's regions and the keys they span."""
+    and each block's regions and the keys they span (the fused kernels' plan, the same for every pass of one T, is
+    kept: :func:`fused_plan`)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    region_blocks = []
-    for s in range(0, T, QUERIES):
-        e = min(T, s + QUERIES)
-        region_blocks.append((s, e, remap.region_of(torch.arange(s, e, device=device, dtype=torch.int32)[:, None],
-                                                    torch.arange(e, device=device, dtype=torch.int32)[None])))
     fused = fused_here(dtype, device)
     if fused and not scheme.rotary and (not scheme.has_bias or scheme.distance_table or scheme.translation_invariant):
-        index = [remap.distance_index(r, T, device) for r in range(remap.regions())]
+        plan, distances = fused_plan(remap, T, device, True)
         zero = torch.zeros(1, dtype=torch.long, device=device)
         vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()
                    if scheme.has_bias else torch.zeros(1, D.numel(), dtype=dtype, device=device)
-                   for _, D in index]  # (H, U_r) each (no gradient: an evaluation); no bias: zeros
-        return Prepared(vectors, [], blockwise.region_plan(region_blocks, remap.regions(), [o for o, _ in index]))
+                   for D in distances]  # (H, U_r) each (no gradient: an evaluation); no bias: zeros
+        return Prepared(vectors, [], plan)
     tables = []
     for r in range(remap.regions()):
         qp, kp = remap.positions(r, T, device)
@@ -344,9 +343,9 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
         else:
             tables.append(None)
     if fused and scheme.rotary:
-        return Prepared(tables, [], blockwise.region_plan(region_blocks, remap.regions()))
+        return Prepared(tables, [], fused_plan(remap, T, device, False)[0])
     blocks = []
-    for s, e, region in region_blocks:
+    for s, e, region in _region_blocks(remap, T, QUERIES, device):
         parts = []
         for r in range(remap.regions()):
             keys = (region == r).any(0).nonzero()
@@ -355,6 +354,26 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
                 parts.append((r, lo, hi, region[:, lo:hi] != r))
         blocks.append((s, e, parts))
     return Prepared(tables, blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def fused_plan(remap: Remap, T: int, device: torch.device, offsets: bool) -> tuple[list, list]:
+    """posbench/blockwise.py's ``region_plan`` of ``remap`` at T in blocks of :data:`FUSED_QUERIES`, with each region's
+    offsets and distances D (``Remap.distance_index``) where ``offsets`` (for ``regions``; ``rotated`` needs none):
+    (plan, [D per region] or []). A function of its arguments alone, so kept for the next pass of the same T
+    (an evaluation scores many batches at each length)."""
+    index = [remap.distance_index(r, T, device) for r in range(remap.regions())] if offsets else []
+    plan = blockwise.region_plan(_region_blocks(remap, T, FUSED_QUERIES, device), remap.regions(),
+                                 [o for o, _ in index] if offsets else None)
+    return plan, [D for _, D in index]
+
+
+def _region_blocks(remap: Remap, T: int, Q: int, device: torch.device):
+    """(s, e, each pair's region (e − s, e) int8) per block of Q queries [s, e)."""
+    for s in range(0, T, Q):
+        e = min(T, s + Q)
+        yield s, e, remap.region_of(torch.arange(s, e, device=device, dtype=torch.int32)[:, None],
+                                    torch.arange(e, device=device, dtype=torch.int32)[None])
 
 
 def fused_here(dtype: torch.dtype, device) -> bool:
