@@ -44,9 +44,10 @@ from probing a hook), the device, the dtype, whether gradients are on, and dropo
 
 * ``remap`` — an evaluation's training-free extension (``eval.remap``: posbench/remap.py; ``context``'s ``remap``),
   whatever the scheme: the layers hand q and k unrotated, and the kernel scores each region of (query, key) pairs at
-  its remapped positions, blocks of queries at a time, in one softmax; a bias of i − j alone on CPU in float32/float64
-  reads each region's bias from one vector per region in one fused SDPA per block (posbench/blockwise.py's
-  ``regions``). Never chosen otherwise.
+  its remapped positions, blocks of queries at a time, in one softmax; on CPU in float32/float64 through SDPA's fused
+  kernel (posbench/blockwise.py): a bias of i − j alone, or none, reads each region's bias from one vector in one call
+  per block (``regions``), a rotary scheme runs one call per region and piece of keys (``rotated``). Never chosen
+  otherwise.
 
 Every kernel is causal by index (query t sees keys 0…t of its window) whatever the positions, and passes
 gradients to learned parameters used in ``score_mod`` (Flex on CPU is never chosen with gradients on).

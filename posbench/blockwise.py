@@ -1,8 +1,8 @@
 """Causal attention with a bias through SDPA's fused kernels, one block of queries at a time, and the bias blocks:
-the ``folded`` and ``banded`` kernels of posbench/attention.py, the ``regions`` kernel of posbench/remap.py, and the
-per-distance table and dense mask they share. ``folded`` and ``banded`` take the attention module's context (``ctx``)
-as built for them, ``regions`` its plan (:func:`region_plan`); each returns softmax(q·kᵀ/√Dh + bias, later keys
-masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
+the ``folded`` and ``banded`` kernels of posbench/attention.py, the ``regions`` and ``rotated`` kernels of
+posbench/remap.py, and the per-distance table and dense mask they share. ``folded`` and ``banded`` take the attention
+module's context (``ctx``) as built for them, ``regions`` and ``rotated`` a plan (:func:`region_plan`); each returns
+softmax(q·kᵀ/√Dh + bias, later keys masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
 
 * ``folded`` — a key-only bias (ALiBi). Softmax ignores a term constant across a query's row, so Press et al. 2022
   (§3)'s −m·(i − j) may be replaced by the key-only −m·(c − j) for a reference position c, which is one extra head
@@ -30,6 +30,9 @@ masked) · v, q, k, v (B, H, T, Dh) → (B, H, T, Dh).
   some query sees (a method's hidden middle skipped), one float mask, and one fused SDPA: keys where every query of
   the block is in one region copy that region's bias as strided views (a run of queries whose o steps by 0 or 1 is
   one view), the few keys with a mix of regions (near the diagonal and the regions' borders) select per pair.
+* ``rotated`` — the same remap of a rotary scheme, without gradients: q and k turned by each region's positions,
+  one fused SDPA per region and piece of keys of a block (unmasked where every query is in the region, a 0/−inf mask
+  where regions mix), merged by their log-sum-exps.
 
 All take a learned sink logit per head (GPT-OSS): without gradients the block's output times σ(lse − sink), with
 them the sink as one more key (:func:`with_sink`).
@@ -193,7 +196,8 @@ def banded(q, k, v, ctx, sink: torch.Tensor | None = None) -> torch.Tensor:
 
 @dataclass
 class RegionBlock:
-    """One block of queries [s, e) of :func:`regions`, its rows reversed (as :func:`banded_pattern`'s).
+    """One block of queries [s, e) of :func:`regions` and :func:`rotated`, its rows reversed (as
+    :func:`banded_pattern`'s).
 
     keys: the intervals [a, b) of keys some query of the block sees, in order; the mask's columns are them joined.
     pieces: (region, j0, j1, column, inside, hidden): keys j0 … j1 − 1 of one interval, at the mask's columns from
@@ -211,10 +215,11 @@ class RegionBlock:
     runs: list
 
 
-def region_plan(region_blocks: list, regions: int, offsets: list[torch.Tensor] | None = None) -> list[RegionBlock]:
-    """The :class:`RegionBlock` of each block of queries: ``region_blocks`` (s, e, regions (e − s, e) int8: each pair's
-    region 0 … ``regions`` − 1, −1 where hidden or later); ``offsets`` for :func:`regions`, per region o (T,) int64
-    (``Remap.distance_index``: query i reads its region's bias vector at o(i) + j), None for :func:`rotated`."""
+def region_plan(region_blocks, regions: int, offsets: list[torch.Tensor] | None = None) -> list[RegionBlock]:
+    """The :class:`RegionBlock` of each block of queries: ``region_blocks`` an iterable of (s, e, regions (e − s, e)
+    int8: each pair's region 0 … ``regions`` − 1, −1 where hidden or later); ``offsets`` for :func:`regions`, per
+    region o (T,) int64 (``Remap.distance_index``: query i reads its region's bias vector at o(i) + j), None for
+    :func:`rotated`."""
     plan = []
     for s, e, region in region_blocks:
         region = region.flip(0)  # rows reversed: query e − 1 first
@@ -309,8 +314,9 @@ def rotated(qs: list[torch.Tensor], ks: list[torch.Tensor], v: torch.Tensor, pla
                 mask = None if pairs is None else torch.zeros(pairs.shape, dtype=v.dtype, device=v.device).masked_fill_(
                     ~pairs, float("-inf"))[None, None]  # (1, 1, e-s, j1-j0)
                 y, lse = flash_cpu(queries[r], ks[r][:, :, j0:j1], v[:, :, j0:j1], 0.0, False, attn_mask=mask)
-                if pairs is not None:  # a query with no key here: SDPA gives y = 0 and lse = 0, the merge needs −inf
-                    lse = lse.masked_fill(~pairs.any(1), float("-inf"))
+                if pairs is not None:  # a query with no key here: lse −inf and y 0 for the merge (SDPA leaves them
+                    empty = ~pairs.any(1)  # (e-s,)                                             # undefined)
+                    lse, y = lse.masked_fill(empty, float("-inf")), y.masked_fill(empty[:, None], 0.0)
                 ys.append(y)
                 lses.append(lse)  # (B, H, e-s)
         lse = torch.logsumexp(torch.stack(lses), 0)  # (B, H, e-s)

@@ -106,7 +106,7 @@ class Remap(Options):
         key or it comes after the query."""
         if self.method == "dca":  # 0 intra, 1 successive, 2 inter
             behind = torch.div(i, self.period, rounding_mode="floor") - torch.div(j, self.period, rounding_mode="floor")
-            region = behind.clamp(max=2).to(torch.int8)
+            region = behind.clamp(-1, 2).to(torch.int8)  # (later chunks, −1 here, are masked below)
         else:
             d = i - j
             if self.method == "streaming":
@@ -148,7 +148,8 @@ class Remap(Options):
         and queries whose o steps by 0 or −1 share a strided view of it (posbench/blockwise.py's ``regions``).
 
         Per region, with s = c − w (DCA) and u = o(i) + j before o is shifted to start at 0:
-        keys at j (every near region, StreamingLLM's sinks, DCA's intra-chunk keys): o = −P_q(i), D(u) = −u;
+        keys at j (every near region, StreamingLLM's sinks): o = −P_q(i), D(u) = −u; DCA's own chunk (i mod s −
+        j mod s = i − j): o = −i, D(u) = −u;
         one distance c (ReRoPE's and LM-Infinite's far keys): o = 0, D(u) = c; Leaky ReRoPE's far keys: o = −i,
         D(u) = w + (−u − w)/k; Self-Extend's grouped keys at ⌊j/G⌋: o = −G·P_q(i), D(u) = −⌊u/G⌋; DCA's previous
         chunk (keys at j − s(⌊i/s⌋ − 1)): o = −P_q(i) − s(⌊i/s⌋ − 1), D(u) = −u; DCA's earlier chunks (keys at
@@ -325,7 +326,7 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
     device = torch.device(device) if device is not None else torch.device("cpu")
     fused = fused_here(dtype, device)
     if fused and not scheme.rotary and (not scheme.has_bias or scheme.distance_table or scheme.translation_invariant):
-        plan, distances = fused_plan(remap, T, device, True)
+        plan, distances = fused_plan(remap, T, device, True, FUSED_QUERIES)
         zero = torch.zeros(1, dtype=torch.long, device=device)
         vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()
                    if scheme.has_bias else torch.zeros(1, D.numel(), dtype=dtype, device=device)
@@ -343,7 +344,7 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
         else:
             tables.append(None)
     if fused and scheme.rotary:
-        return Prepared(tables, [], fused_plan(remap, T, device, False)[0])
+        return Prepared(tables, [], fused_plan(remap, T, device, False, FUSED_QUERIES)[0])
     blocks = []
     for s, e, region in _region_blocks(remap, T, QUERIES, device):
         parts = []
@@ -357,13 +358,13 @@ def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepare
 
 
 @functools.lru_cache(maxsize=16)
-def fused_plan(remap: Remap, T: int, device: torch.device, offsets: bool) -> tuple[list, list]:
-    """posbench/blockwise.py's ``region_plan`` of ``remap`` at T in blocks of :data:`FUSED_QUERIES`, with each region's
+def fused_plan(remap: Remap, T: int, device: torch.device, offsets: bool, Q: int) -> tuple[list, list]:
+    """posbench/blockwise.py's ``region_plan`` of ``remap`` at T in blocks of Q queries, with each region's
     offsets and distances D (``Remap.distance_index``) where ``offsets`` (for ``regions``; ``rotated`` needs none):
     (plan, [D per region] or []). A function of its arguments alone, so kept for the next pass of the same T
     (an evaluation scores many batches at each length)."""
     index = [remap.distance_index(r, T, device) for r in range(remap.regions())] if offsets else []
-    plan = blockwise.region_plan(_region_blocks(remap, T, FUSED_QUERIES, device), remap.regions(),
+    plan = blockwise.region_plan(_region_blocks(remap, T, Q, device), remap.regions(),
                                  [o for o, _ in index] if offsets else None)
     return plan, [D for _, D in index]
 

@@ -109,9 +109,21 @@ def reference_attention(method: Remap, q, k, v, score) -> torch.Tensor:
     return out
 
 
-def run(scheme, method: Remap, q, k, v) -> torch.Tensor:
-    T = q.shape[2]
-    return remap.attend(q, k, v, scheme, remap.prepare(scheme, method, T, torch.float64, q.device))
+def use(kernel: str, monkeypatch) -> None:
+    """Route ``remap.attend`` through ``kernel``: SDPA's fused one per block (``regions`` or ``rotated``, on CPU), it in
+    blocks of 24 queries (…, "blocks of 24": blocks that end mid-window, a short last one), or the per-pair scores
+    (CUDA's and bf16's, "per pair")."""
+    if kernel == "per pair":
+        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+    elif kernel.endswith("blocks of 24"):
+        monkeypatch.setattr(remap, "FUSED_QUERIES", 24)
+
+
+def run(scheme, method: Remap, q, k, v, kernel: str = "fused", sink=None) -> torch.Tensor:
+    """``remap.attend`` in float64 (q's dtype), having checked that ``kernel`` (see :func:`use`) is the one that runs."""
+    prepared = remap.prepare(scheme, method, q.shape[2], q.dtype, q.device)
+    assert (prepared.plan is not None) == (kernel != "per pair")
+    return remap.attend(q, k, v, scheme, prepared, sink)
 
 
 def qkv(T: int, seed: int):
@@ -121,46 +133,45 @@ def qkv(T: int, seed: int):
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
 @pytest.mark.parametrize("T", [L, 4 * L, 16 * L])
-@pytest.mark.parametrize("kernel", ["rotated", "per pair"])
+@pytest.mark.parametrize("kernel", ["rotated", "rotated, blocks of 24", "per pair"])
 def test_rope_attention_matches_the_reference(method, T, kernel, monkeypatch):
     """Through both kernels: one SDPA per region and piece of keys, merged by log-sum-exp (blockwise.rotated, on CPU),
     and each region's q·kᵀ merged in one softmax (CUDA, bf16)."""
-    if kernel == "per pair":
-        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+    use(kernel, monkeypatch)
     q, k, v = qkv(T, T)
     rope = build_scheme("rope", H * DH, H)
     expected = reference_attention(method, q, k, v, lambda h, i, j, d: rope_score(q[0, h, i], k[0, h, j], d))
-    assert_close(run(rope, method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+    assert_close(run(rope, method, q, k, v, kernel), expected, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
-def test_xpos_attention_matches_the_reference(method):
+@pytest.mark.parametrize("kernel", ["rotated", "per pair"])
+def test_xpos_attention_matches_the_reference(method, kernel, monkeypatch):
+    use(kernel, monkeypatch)
     T = 4 * L
     q, k, v = qkv(T, 1)
     xpos = build_scheme("xpos", H * DH, H, scale_base=64.0)
     zeta = [(2 * a / DH + 0.4) / 1.4 for a in range(DH // 2)]
     expected = reference_attention(method, q, k, v,
                                    lambda h, i, j, d: rope_score(q[0, h, i], k[0, h, j], d, zeta=zeta, scale_base=64.0))
-    assert_close(run(xpos, method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+    assert_close(run(xpos, method, q, k, v, kernel), expected, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
 @pytest.mark.parametrize("T", [L, 16 * L])
-@pytest.mark.parametrize("kernel", ["regions", "per pair"])
+@pytest.mark.parametrize("kernel", ["regions", "regions, blocks of 24", "per pair"])
 def test_alibi_reads_the_remapped_distance(method, T, kernel, monkeypatch):
     """Through both kernels: each region's bias vector in one SDPA per block (blockwise.regions, a bias of the
     distance alone on CPU), and each region's q·kᵀ plus ``pair_bias`` merged in one softmax (every other case)."""
-    if kernel == "per pair":
-        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+    use(kernel, monkeypatch)
     q, k, v = qkv(T, 2)
     slopes = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3
 
     def score(h, i, j, d):
         return float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) - slopes[h] * d
 
-    alibi = build_scheme("alibi", H * DH, H)
-    assert (remap.prepare(alibi, method, T, torch.float64, q.device).plan is not None) == (kernel == "regions")
-    assert_close(run(alibi, method, q, k, v), reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
+    assert_close(run(build_scheme("alibi", H * DH, H), method, q, k, v, kernel),
+                 reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
@@ -202,12 +213,14 @@ def test_table_schemes_read_the_remapped_distance(name, method):
     def score(h, i, j, d):
         return float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH) + bias(h, int(d) if float(d).is_integer() else d)
 
-    assert remap.prepare(scheme, method, T, torch.float64, q.device).plan is not None
     assert_close(run(scheme, method, q, k, v), reference_attention(method, q, k, v, score), atol=1e-10, rtol=1e-10)
 
 
-def test_the_regions_kernel_in_float32_and_with_a_sink():
-    """float32 q, k, v against the float64 reference at 16L, and a sink logit in each denominator (Self-Extend)."""
+@pytest.mark.parametrize("kernel", ["regions", "regions, blocks of 24"])
+def test_the_regions_kernel_in_float32_with_a_sink_and_a_batch(kernel, monkeypatch):
+    """float32 q, k, v against the float64 reference at 16L, a sink logit in each denominator (Self-Extend), and a
+    batch of two whose second row is the first's reversed along the heads (each must come out as its own)."""
+    use(kernel, monkeypatch)
     T, method = 16 * L, METHODS[4]
     q, k, v = qkv(T, 6)
     sink = torch.tensor([0.4, -0.9], dtype=torch.float64)
@@ -220,19 +233,22 @@ def test_the_regions_kernel_in_float32_and_with_a_sink():
             weights = torch.softmax(torch.tensor(logits + [float(sink[h])], dtype=torch.float64), 0)[:-1]
             expected[0, h, i] = weights @ v[0, h, keys]
     alibi = build_scheme("alibi", H * DH, H)
-    got = remap.attend(q, k, v, alibi, remap.prepare(alibi, method, T, torch.float64, q.device), sink)
-    assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    assert_close(run(alibi, method, q, k, v, kernel, sink), expected, atol=1e-10, rtol=1e-10)
     q32, k32, v32 = (x.float() for x in (q, k, v))
-    got = remap.attend(q32, k32, v32, alibi, remap.prepare(alibi, method, T, torch.float32, q.device), sink.float())
+    got = run(alibi, method, q32, k32, v32, kernel, sink.float())
     assert got.dtype == torch.float32
     assert_close(got.double(), expected, atol=2e-5, rtol=0)
+    both = [torch.cat((x, x.flip(1))) for x in (q, k, v)]  # (2, H, T, DH): heads swapped in the second row
+    got = run(alibi, method, *both, kernel, sink)
+    assert_close(got[0], expected[0], atol=1e-10, rtol=1e-10)
+    alone = run(alibi, method, q.flip(1), k.flip(1), v.flip(1), kernel, sink)
+    assert_close(got[1], alone[0], atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kernel", ["rotated", "per pair"])
+@pytest.mark.parametrize("kernel", ["rotated", "rotated, blocks of 24", "per pair"])
 def test_a_sink_logit_joins_every_denominator(kernel, monkeypatch):
     """GPT-OSS's sink: exp(s_h) in each query's denominator, no value; with StreamingLLM's mask, at 4L."""
-    if kernel == "per pair":
-        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+    use(kernel, monkeypatch)
     T, method = 4 * L, METHODS[0]
     q, k, v = qkv(T, 4)
     sink = torch.tensor([0.7, -1.3], dtype=torch.float64)
@@ -243,21 +259,19 @@ def test_a_sink_logit_joins_every_denominator(kernel, monkeypatch):
             keys = [j for j in range(i + 1) if (i, j) in pairs]
             logits = [rope_score(q[0, h, i], k[0, h, j], pairs[i, j]) for j in keys] + [float(sink[h])]
             expected[0, h, i] = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)[:-1] @ v[0, h, keys]
-    got = remap.attend(q, k, v, rope, remap.prepare(rope, method, T, torch.float64, q.device), sink)
-    assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    assert_close(run(rope, method, q, k, v, kernel, sink), expected, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.method)
-@pytest.mark.parametrize("kernel", ["regions", "per pair"])
+@pytest.mark.parametrize("kernel", ["regions", "regions, blocks of 24", "per pair"])
 def test_nope_and_an_absolute_scheme_keep_only_the_mask(method, kernel, monkeypatch):
     """NoPE (and learned or sinusoidal positions, added to the embeddings) reads no distance: only the keys a method
     hides change its attention."""
-    if kernel == "per pair":
-        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+    use(kernel, monkeypatch)
     T = 4 * L
     q, k, v = qkv(T, 3)
     expected = reference_attention(method, q, k, v, lambda h, i, j, d: float(q[0, h, i] @ k[0, h, j]) / math.sqrt(DH))
-    assert_close(run(build_scheme("nope", H * DH, H), method, q, k, v), expected, atol=1e-10, rtol=1e-10)
+    assert_close(run(build_scheme("nope", H * DH, H), method, q, k, v, kernel), expected, atol=1e-10, rtol=1e-10)
 
 
 def test_a_model_with_a_remap_that_hides_nothing_is_the_model():
@@ -278,7 +292,7 @@ def test_a_model_with_a_remap_that_hides_nothing_is_the_model():
         assert changed[:, :8].max() < 1e-12 and changed[:, 8:].max() > 1e-6  # (GPT-2's initialisation: small logits)
 
 
-QUERIES_PLUS = remap.QUERIES // 2 + 1  # T = 3·(Q/2 + 1): blocks that end mid-window
+QUERIES_PLUS = remap.FUSED_QUERIES // 2 + 1  # T = 3·(Q/2 + 1): blocks that end mid-window
 
 
 def test_defaults_are_the_papers_scaled_to_L():
