@@ -307,10 +307,11 @@ def rotated(qs: list[torch.Tensor], ks: list[torch.Tensor], v: torch.Tensor, pla
     out = torch.empty_like(v)
     for block in plan:
         s, e = block.s, block.e
-        queries = [q[:, :, s:e].flip(2) for q in qs]  # rows reversed, as the plan's
-        ys, lses = [], []
+        queries, ys, lses = {}, [], []  # per region the block has: its queries, rows reversed as the plan's
         for region, j0, j1, _, inside, _ in block.pieces:
             for r, pairs in inside or [(region, None)]:
+                if r not in queries:
+                    queries[r] = qs[r][:, :, s:e].flip(2)  # (B, H, e-s, Dh)
                 mask = None if pairs is None else torch.zeros(pairs.shape, dtype=v.dtype, device=v.device).masked_fill_(
                     ~pairs, float("-inf"))[None, None]  # (1, 1, e-s, j1-j0)
                 y, lse = flash_cpu(queries[r], ks[r][:, :, j0:j1], v[:, :, j0:j1], 0.0, False, attn_mask=mask)
