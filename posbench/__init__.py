@@ -1,40 +1,35 @@
 """posbench: train short, test long. Length-extrapolation experiments for positional encodings.
 
-Run ``posbench --help``. :data:`LEVELS` is the package's one layer map: a module imports only from modules of lower
-levels (tests/test_layers.py enforces it), so each level can be read knowing only the ones below it.
+Run ``posbench --help``. The package is in wings by concern, one folder each; :data:`LEVELS` is their one map, bottom
+to top. A module imports only from the wings below its own and, inside its wing, from the levels below its own
+(tests/test_layers.py enforces it), so each wing can be read knowing only the ones below it.
 """
 
 __version__ = "0.1.0"
 
-# Bottom to top; names relative to the package; "schemes.*": any scheme family file (a new scheme needs no entry).
-LEVELS: tuple[tuple[str, ...], ...] = (
-    # 0 — nothing of posbench: the scheme interface, RoPE's scalings, attention windows, corpora, the passkey probe's
-    #     trials, statistics, plots, the report tier's package (it imports nothing), the optimizer, process helpers,
-    #     the attention temperatures
-    ("schemes.base", "schemes.rope_scaling", "windows", "corpora", "passkey", "report", "report.stats", "report.plots",
-     "optim", "dist", "device", "gpus", "signals", "runlock", "temperature"),
-    # 1 — the scheme families, the token cache, the evaluation protocol, bias blocks, batches, wandb, retrieval stats
-    ("schemes.*", "data", "evaluate", "blockwise", "batches", "tracking", "report.retrieval"),
-    # 2 — the scheme registry, the context-use probe, FlexAttention, the training-free remaps (their kernels)
-    ("schemes", "context", "flex", "remap"),
-    # 3 — the attention kernels, a run's record and label, the config's value checks
-    ("attention", "results", "config_checks"),
-    # 4 — the model, the config schema
-    ("model", "config"),
-    # 5 — records of older formats; what a job reads (the corpus, its splits checked; the passkey needle)
-    ("upgrade", "inputs"),
-    # 6 — spec → model, checkpoint files, many runs compared
-    ("build", "checkpoint", "report.compare"),
-    # 7 — init_from, the memory estimate, the report rendered, training states
-    ("lineage", "memory", "report.render", "training_state"),
-    # 8 — a training job, prepared; a re-evaluation job, prepared and run; the command line's overrides, read
-    ("train_job", "eval_job", "overrides"),
-    # 9 — the training loop
-    ("train",),
-    # 10 — every job of a command line, prepared before Hydra
-    ("jobs",),
-    # 11 — the command line
-    ("cli",),
-    # 12 — python -m posbench
-    ("__main__",),
+# (wing, its levels bottom to top); "" is the package's own top. "*": the wing's modules no level names (a scheme
+# family file needs no entry). A wing's __init__ is a docstring unless a level names it (the schemes' registry).
+LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
+    # devices and threads, torchrun ranks, one GPU per sweep job, stop signals, the run folder's lock; wandb
+    ("runtime", (("device", "dist", "gpus", "signals", "runlock"), ("tracking",))),
+    # the PositionalScheme interface, RoPE's scalings, the scheme families, the registry
+    ("schemes", (("base", "rope_scaling"), ("*",), ("__init__",))),
+    # windows and temperatures; the kernels that run SDPA per block; Flex; the remaps; which kernel runs
+    ("attention", (("windows", "temperature"), ("blockwise",), ("flex", "remap"), ("dispatch",))),
+    # corpora and their splits, the passkey needle; the token-id cache, the training batches
+    ("data", (("corpora", "needles"), ("cache", "batches"))),
+    # significance tests, perplexity protocols; the probes and the passkey cells; one run's record
+    ("evaluation", (("stats", "perplexity"), ("passkey", "context", "retrieval"), ("results",))),
+    # the value checks; the schema and finalize; records of older formats
+    ("config", (("checks",), ("schema",), ("upgrade",))),
+    # the decoder; spec → model; the memory estimate
+    ("model", (("gpt",), ("build",), ("memory",))),
+    # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
+    ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
+    # many runs: plots; records collected and compared; the report rendered
+    ("report", (("plots",), ("compare",), ("render",))),
+    # what a command line composes and runs: inputs and overrides; the train and eval jobs; every job of a command line
+    ("jobs", (("inputs", "overrides"), ("train_job", "eval_job"), ("command",))),
+    # the command line, and python -m posbench
+    ("", (("cli",), ("__main__",))),
 )

@@ -8,8 +8,8 @@
 
 Each of ``train`` and ``eval`` is one ``@hydra.main`` over the schemas this module stores in Hydra's ConfigStore
 (:func:`register`). Before Hydra starts, every job of the command line (each combination of a sweep, the
-experiment's declared sweep included) is composed and prepared (:func:`preflight`: posbench/train_job.py,
-posbench/eval_job.py), so a typo, a wrong type or a bad value stops everything with one line on stderr and exit
+experiment's declared sweep included) is composed and prepared (:func:`preflight`: posbench/jobs/train_job.py,
+posbench/jobs/eval_job.py), so a typo, a wrong type or a bad value stops everything with one line on stderr and exit
 status 2, before any folder is made, any data is read or any step is trained. Each Hydra job then runs the job
 prepared for it (in this process; a sweep's worker process prepares its own, once).
 """
@@ -28,24 +28,29 @@ os.environ.setdefault("WANDB_SILENT", "true")  # offline runs: `wandb sync <run>
 if not sys.stderr.isatty() or os.environ.get("CI"):
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # logs and CI get no progress bars
 
-import hydra  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.experimental.callback import Callback  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
-import posbench  # noqa: E402
-from posbench import dist, eval_job, flex, gpus, jobs, overrides, runlock, train_job  # noqa: E402  (gpus registers ${posbench_gpus:})
-from posbench.checkpoint import CheckpointError  # noqa: E402
-from posbench.config import ConfigError, PosbenchConfig, eval_schema, scheme_schema, to_dict  # noqa: E402
-from posbench.data import DataError  # noqa: E402
-from posbench.jobs import CONFIG_MODULE, writable  # noqa: E402
-from posbench.report import compare, render  # noqa: E402
-from posbench.schemes import SCHEMES  # noqa: E402
-from posbench.signals import EXIT_INTERRUPTED, Interrupted  # noqa: E402
-from posbench.tracking import Tracker  # noqa: E402
-from posbench.train import Preempted, TrainingFailed, train  # noqa: E402
+import posbench
+from posbench.attention import flex
+from posbench.config.checks import ConfigError
+from posbench.config.schema import PosbenchConfig, eval_schema, scheme_schema, to_dict
+from posbench.data.cache import DataError
+from posbench.evaluation import passkey
+from posbench.jobs import command, eval_job, overrides, train_job
+from posbench.jobs.command import CONFIG_MODULE, writable
+from posbench.report import compare, render
+from posbench.runtime import dist, gpus, runlock  # (gpus registers ${posbench_gpus:})
+from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted
+from posbench.runtime.tracking import Tracker
+from posbench.schemes import SCHEMES
+from posbench.training.checkpoint import CheckpointError
+from posbench.training.job import TrainJob
+from posbench.training.loop import Preempted, TrainingFailed, train
 
 USAGE = """usage: posbench <command> [overrides...]
        posbench --version
@@ -71,7 +76,7 @@ def fail(message: str) -> None:
 
 def register() -> None:
     """Store the schemas in Hydra's ConfigStore: ``posbench_schema`` (train), ``posbench_eval_schema`` (eval), and
-    one option of the ``scheme`` group per scheme in ``SCHEMES`` now (``posbench.config.scheme_schema``), replacing
+    one option of the ``scheme`` group per scheme in ``SCHEMES`` now (``posbench.config.schema.scheme_schema``), replacing
     the options a previous call stored; and the resolver ``${posbench_schemes:}``, the registered scheme names
     joined by commas (``experiment=zoo`` sweeps them)."""
     OmegaConf.register_new_resolver("posbench_schemes", lambda: ",".join(SCHEMES), replace=True)
@@ -84,18 +89,18 @@ def register() -> None:
 
 
 def preflight(argv: list[str], config_name: str) -> None:
-    """Compose and prepare every job of ``argv`` before Hydra starts (posbench/jobs.py); exit with one error line
+    """Compose and prepare every job of ``argv`` before Hydra starts (posbench/jobs/command.py); exit with one error line
     and status 2 on the first bad one."""
     try:
-        jobs.prepare_all(argv, config_name)
-    except jobs.Refused as e:
+        command.prepare_all(argv, config_name)
+    except command.Refused as e:
         fail(str(e))
 
 
 # ---- Hydra's jobs -------------------------------------------------------------------------------------------
 
 
-def _run_name(job: train_job.TrainJob, hc) -> str:
+def _run_name(job: TrainJob, hc) -> str:
     """A training run's wandb name: its variant label (``rope+yarn×16``) and its other swept overrides (``seed=1``)."""
     swept = set(os.environ.get("POSBENCH_SWEPT", "").split(","))
     others = [o for o in hc.overrides.task if o.split("=", 1)[0] in swept and not o.startswith("scheme")]
@@ -107,13 +112,13 @@ def _train(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     try:
-        jobs.lock(out_dir)  # a sweep's job: its folder is named now (a single run's was taken by preflight)
-    except jobs.Refused as e:
+        command.lock(out_dir)  # a sweep's job: its folder is named now (a single run's was taken by preflight)
+    except command.Refused as e:
         fail(str(e))
     with runlock.releasing(out_dir), gpus.job_gpu(hc):  # the job's own GPU (joblib sweeps) before CUDA is touched
         flex.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
         try:
-            job = train_job.in_folder(jobs.job_for(cfg, train_job.prepare), out_dir)
+            job = train_job.in_folder(command.job_for(cfg, train_job.prepare), out_dir)
         except (ConfigError, DataError) as e:
             fail(str(e))
         if dist.rank() == 0:
@@ -146,14 +151,14 @@ def _eval(cfg: DictConfig) -> None:
     with gpus.job_gpu(HydraConfig.get()):
         flex.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
         try:
-            job = jobs.job_for(cfg, eval_job.prepare)
+            job = command.job_for(cfg, eval_job.prepare)
         except (ConfigError, DataError) as e:
             fail(str(e))
         rec = eval_job.run(job)
         tracker = Tracker.from_config(job.config, job.run_dir, "eval", config=rec["config"],
                                       name=f"{rec['label']} {rec['protocol']} {rec['split']}")
         tracker.log_eval(rec["results"])
-        tracker.log_probe(rec.get("passkey"))
+        tracker.log_passkey(passkey.accuracy(rec["passkey"]["trials"]) if rec.get("passkey") else None)
         tracker.log_context(rec.get("context"))
         tracker.finish()
 
@@ -205,7 +210,7 @@ INTERRUPTED = {  # command → what Ctrl-C outside the training loop says after 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``posbench`` console script and of ``python -m posbench``. Ctrl-C outside the training
-    loop (which saves a checkpoint first: posbench/signals.py) leaves with one line (:data:`INTERRUPTED`: what to
+    loop (which saves a checkpoint first: posbench/runtime/signals.py) leaves with one line (:data:`INTERRUPTED`: what to
     run again for the command interrupted) and status 130, no traceback."""
     argv = sys.argv[1:] if argv is None else argv
     try:

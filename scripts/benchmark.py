@@ -4,7 +4,7 @@
     python scripts/benchmark.py --d-model 512 --layers 6 --heads 8 --seq-len 512 --device cuda --dtype bf16 \
         --compile --lengths 2048 8192        # model=small on a GPU (scripts/gpu_check.sh runs this)
 
-On random tokens, one model per case (``posbench.build.build_model``, one seed), it measures, for every registered
+On random tokens, one model per case (``posbench.model.build.build_model``, one seed), it measures, for every registered
 scheme and, by default, RoPE and ALiBi with each length-dependent attention scaling (``rope+log_n``, ``alibi+ssmax``:
 ``model.attn_scale``, a factor on the queries):
 
@@ -22,19 +22,20 @@ scheme and, by default, RoPE and ALiBi with each length-dependent attention scal
   for the FLOP/s a model of that width reaches in its forward shapes (backward's transposed GEMMs, two thirds of the
   FLOPs, and the head's chunks are not timed), below the square ceiling where the shapes are thin; training's GFLOP/s over it
   (``gemm_ceiling_fraction``; per shape, ``gemm_ceiling_fractions``) is printed after the table, with no target;
-* training: the step of posbench/train.py (forward, cross entropy, backward, clipping, AdamW from
-  ``posbench.optim.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
+* training: the step of posbench/training/loop.py (forward, cross entropy, backward, clipping, AdamW from
+  ``posbench.training.optim.make_optimizer``), median of ``--steps`` steps after ``--warmup``, the schemes taking turns
   step by step. GFLOP/s counts 6·N + 12·n_layer·d_model·L FLOPs per token (N: parameters but the
   position table, tied head once), PaLM's estimate (Chowdhery et al. 2022, App. B; nanoGPT's ``estimate_mfu``):
   one count for every scheme, so GFLOP/s ∝ tokens/s, and causal attention's masked half counted too;
 * evaluation: a no-grad forward of batch 1 at each length (default L·2^k up to 64L) in float32 without autocast
-  whatever ``--dtype`` (posbench evaluates so: posbench/train.py calls ``posbench.evaluate.evaluate`` outside the
+  whatever ``--dtype`` (posbench evaluates so: posbench/training/loop.py calls
+  ``posbench.evaluation.perplexity.evaluate`` outside the
   bf16 autocast it trains under on CUDA; ``--dtype bf16`` is training's autocast), ``--repeats`` times (and
   ≥ 0.5 s) in turn with nope's at that length, after an untimed one whose peak memory growth is kept: on CPU
   in a fresh process per case, the rise of the resident high-water mark (VmHWM, reset via
   /proc/self/clear_refs) once a 2-token forward took the one-time costs; on CUDA, of
   ``torch.cuda.max_memory_allocated``. The growth includes the (T, V) logits, alike for all schemes. Flex's
-  BlockMasks of the length are built before the reset (posbench.flex caches them per length: on CUDA, where the
+  BlockMasks of the length are built before the reset (posbench.attention.flex caches them per length: on CUDA, where the
   cases share a process, the first Flex case at a length would otherwise count them and the later ones not).
 
 ``×nope``: a scheme's median step time over nope's; the median of its forward times over nope's, each over the
@@ -50,7 +51,7 @@ with its options filled from L (``Config.fill``), as ``posbench train`` builds i
 **Windowed and hybrid models** (``--hybrids``, or cases ``<scheme>[+scale]/<pattern>[:w<W>|:c<W>][:G=<scheme>][:sink]``,
 e.g. ``rope/L:w32``: every layer a sliding window of 32; ``rope/LLLG:c32:G=nope``: Llama 4's layers; ``rope/LG:w32:sink``:
 GPT-OSS's): ``model.layer_pattern``, ``model.window``/``window_kind``, ``model.global_scheme``, ``model.attn_sink``
-(posbench/model.py). Targets, beside the others: a model whose every layer is windowed (pattern ``L``) evaluates a
+(posbench/model/gpt.py). Targets, beside the others: a model whose every layer is windowed (pattern ``L``) evaluates a
 token at 16L within :data:`WINDOW_TOKEN_X` of its own time per token at L, and its memory growth at every length
 within 2× nope's (its attention's memory is bounded by the window); and a hybrid's train step within 1.10× RoPE's, as
 every case's.
@@ -90,11 +91,11 @@ import torch
 import torch._dynamo
 
 import posbench
-from posbench import attention, flex, remap
-from posbench.build import build_model
-from posbench.device import flush_denormals_from_now
+from posbench.attention import dispatch, flex, remap
+from posbench.attention.temperature import ATTN_SCALES, default_length
+from posbench.model.build import build_model
+from posbench.runtime.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES, PositionalScheme
-from posbench.temperature import ATTN_SCALES, default_length
 
 BASELINE = "nope"  # causal SDPA, no positions
 EVAL_TIME_X, EVAL_MEM_X, STEP_X_ROPE, CEILING_FRACTION = 1.5, 2.0, 1.10, 0.60
@@ -251,7 +252,7 @@ def sync(args) -> None:
 
 
 def autocast(args):
-    """Training's autocast: bf16 with ``--dtype bf16`` (posbench/train.py trains so on CUDA), else none."""
+    """Training's autocast: bf16 with ``--dtype bf16`` (posbench/training/loop.py trains so on CUDA), else none."""
     return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
 
@@ -383,11 +384,11 @@ def train(args, gemms: dict[str, dict] | None = None) -> tuple[dict, list, float
     (seconds per GEMM)."""
     from omegaconf import OmegaConf
 
-    from posbench.config import TrainConfig
-    from posbench.optim import make_optimizer
+    from posbench.config.schema import TrainConfig
+    from posbench.training.optim import make_optimizer
 
     if args.device == "cpu":
-        torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU
+        torch.use_deterministic_algorithms(True)  # as posbench/training/loop.py trains on CPU
         torch.utils.deterministic.fill_uninitialized_memory = False
     t = OmegaConf.structured(TrainConfig(seq_len=args.seq_len, batch_size=args.batch))
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(args.device)
@@ -435,12 +436,12 @@ def hwm() -> int:
 
 def build_block_masks(model: torch.nn.Module, n: int, device: torch.device) -> None:
     """Build the Flex BlockMasks a forward of ``model`` over n tokens on ``device`` (a tensor's: ``cuda:0``, as the
-    forward's keys are) may ask for, into posbench.flex's cache (per length, device and window), so that
+    forward's keys are) may ask for, into posbench.attention.flex's cache (per length, device and window), so that
     :func:`eval_case` builds them before it resets the peak memory and no case's measurement holds them, and a later
     case on CUDA (one process) reuses them as every case does. Causal at n (plus ``flex.cpu_padding`` on CPU), from
     block indices (O((n/128)²) integers), always; per window of the model's layers that binds at n: the causal one of
     a chunk (chunks run as a batch), and the window's own (``create_block_mask``, which evaluates all n² pairs) where
-    ``attention.choose_kernel`` gives Flex for it."""
+    ``dispatch.choose_kernel`` gives Flex for it."""
     if flex.flex_attention is None:
         return
     pad = flex.cpu_padding if device.type == "cpu" else lambda T: 0
@@ -449,12 +450,12 @@ def build_block_masks(model: torch.nn.Module, n: int, device: torch.device) -> N
     for s, window in dict.fromkeys((s, w) for s, w in zip(model.layer_schemes, model.windows) if w and w.binds(n)):
         if window.kind == "chunked":
             flex.causal_block_mask(window.size + pad(window.size), device)
-        if attention.choose_kernel(s, device, torch.float32, 0.0, False, None, window, sink) == "flex":
+        if dispatch.choose_kernel(s, device, torch.float32, 0.0, False, None, window, sink) == "flex":
             flex.block_mask(n + pad(n), device, window)
 
 
 def eval_case(args, scheme: str, n: int) -> dict:
-    """Median seconds of a no-grad forward scoring n tokens (what ``posbench.evaluate`` runs: per-token NLL, no
+    """Median seconds of a no-grad forward scoring n tokens (what ``posbench.evaluation.perplexity`` runs: per-token NLL, no
     logits kept, float32 without autocast whatever ``--dtype``), its median ratio to nope's timed in turn with it,
     the peak memory growth of the first one (the BlockMasks of n tokens built before: :func:`build_block_masks`), and
     the Dynamo graphs compiled meanwhile (Flex's, on CUDA)."""

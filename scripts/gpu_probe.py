@@ -9,7 +9,7 @@ One JSON line per measurement, to stdout and to ``--out`` (flushed line by line)
 failure is a line with ``"error"`` (the section goes on with its next case), a section out of its time budget a line
 with ``"skipped"``, and each section ends with its ``"decision"`` lines, computed by the rule written beside it below.
 It needs torch (with triton on CUDA) and posbench importable (``PYTHONPATH=.``); S4 also omegaconf (checkpoints are
-read with posbench.build). docs/gpu.md says how to run it on a lent device and what to run after it.
+read with posbench.model.build). docs/gpu.md says how to run it on a lent device and what to run after it.
 
 Sections (budgets in seconds on CUDA; the CPU mode runs each at tiny sizes, Flex uncompiled):
 
@@ -56,8 +56,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # posbench from this checkout (no install needed)
 
-from posbench import attention, flex  # noqa: E402
-from posbench import model as model_module
+from posbench.attention import dispatch, flex  # noqa: E402
+from posbench.model import gpt as model_module
 from posbench.schemes import build_scheme  # noqa: E402
 
 BUDGETS = {"S0": 15, "S1": 180, "S2": 75, "S3": 15, "S4": 45, "S5": 150}  # seconds on CUDA
@@ -256,7 +256,7 @@ def flex_eval(scheme, q, k, v, pos, compiled: bool, mod=None):
     H = q.shape[1]
     if scheme is None:
         scheme = build_scheme("nope", d_model=H * q.shape[-1], n_head=H)
-    ctx = attention.context(scheme, pos, H, q.dtype, kernel="flex", span=pos.numel())
+    ctx = dispatch.context(scheme, pos, H, q.dtype, kernel="flex", span=pos.numel())
     score_mod = mod or (ctx.score_mod if scheme.has_bias else None)
     if compiled:
         return lambda: flex.run(q, k, v, score_mod, ctx.block_mask, ctx.kernel_options)
@@ -349,8 +349,8 @@ def s2_layouts(p: Probe) -> None:
     L, B, H, Dh = s["L"], s["B"], s["H"], s["Dh"]
     pos = torch.arange(L, device=dev)
     dtype = torch.bfloat16 if compiled else torch.float32
-    if not compiled:  # (Flex's eager math backward on CPU; attention.context then allows gradients through Flex)
-        flex._compiled, attention.flex_backward = cpu_flex_backward(), lambda device: True
+    if not compiled:  # (Flex's eager math backward on CPU; dispatch.context then allows gradients through Flex)
+        flex._compiled, dispatch.flex_backward = cpu_flex_backward(), lambda device: True
     for name in TABLE_SCHEMES:
         results, grads = {}, {}
         for layout in flex.TABLE_LAYOUTS:
@@ -365,7 +365,7 @@ def s2_layouts(p: Probe) -> None:
 
                 def step(scheme=scheme, q=q, k=k, v=v, cot=cot):  # posbench's training path: the context, then Flex
                     scheme.zero_grad(set_to_none=True)
-                    ctx = attention.context(scheme, pos, H, dtype, kernel="flex", span=L)
+                    ctx = dispatch.context(scheme, pos, H, dtype, kernel="flex", span=L)
                     flex.run(q, k, v, ctx.score_mod, ctx.block_mask, ctx.kernel_options).backward(cot)
 
                 row["ms"] = timed(step, dev, s["repeats"]) * 1e3
@@ -416,7 +416,7 @@ def s3_block_masks(p: Probe) -> None:
 
 # ---- S4 -------------------------------------------------------------------------------------------------------------
 def s4_nll(p: Probe) -> None:
-    from posbench.build import build_model
+    from posbench.model.build import build_model
 
     if not p.args.checkpoints:
         p.emit(skipped="no --checkpoints")
@@ -463,9 +463,9 @@ def s4_nll(p: Probe) -> None:
 def s5_base(p: Probe) -> None:
     from omegaconf import OmegaConf
 
-    from posbench.build import build_model
-    from posbench.config import TrainConfig
-    from posbench.optim import make_optimizer
+    from posbench.config.schema import TrainConfig
+    from posbench.model.build import build_model
+    from posbench.training.optim import make_optimizer
 
     s, dev, cuda = p.size, p.device, p.device.type == "cuda"
     L, V = s["L_base"], s["vocab"]

@@ -3,15 +3,15 @@
     python scripts/profile_step.py --scheme rope                     # model=tiny, L=128, batch 16, eval at 2048
     python scripts/profile_step.py --scheme t5 --eval-length 8192 --threads 2
 
-The step is posbench/train.py's (``get_batch`` on random tokens, forward with the loss, backward, gradient clipping,
+The step is posbench/training/loop.py's (``get_batch`` on random tokens, forward with the loss, backward, gradient clipping,
 AdamW from ``make_optimizer``) after two untimed steps, under ``torch.profiler`` for ``--steps`` steps; the evaluation
 is one no-grad forward of batch 1 at ``--eval-length``; denormals are flushed to zero in both, as posbench's jobs do. Each op's
 own CPU time (``self_cpu_time``) is put in a part:
 
 * data: the batch (``get_batch``); optimizer: clipping and ``AdamW.step``;
 * attention: SDPA, FlexAttention and everything the attention kernels run (a bias's masks and tables included),
-  taken as every op between the ``qkv`` projection's output and the ``proj`` input (``attention.attend`` and
-  ``attention.context`` run inside the ``attention`` marks this script adds around them);
+  taken as every op between the ``qkv`` projection's output and the ``proj`` input (``dispatch.attend`` and
+  ``dispatch.context`` run inside the ``attention`` marks this script adds around them);
 * the matmuls by their shapes: qkv (D → 3D), proj (D → D), MLP (D → F, F → D, and GELU), head and loss (→ V,
   the log-sum-exp and the NLL: posbench's ``HeadNLL``); layer norms; other ops;
 * Python: the rest of the wall time, in no op (the interpreter, autograd's bookkeeping, the dispatcher between ops).
@@ -33,13 +33,13 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from posbench import attention
-from posbench.batches import get_batch
-from posbench.build import build_model
-from posbench.config import TrainConfig
-from posbench.device import flush_denormals_from_now
-from posbench.optim import make_optimizer
+from posbench.attention import dispatch
+from posbench.config.schema import TrainConfig
+from posbench.data.batches import get_batch
+from posbench.model.build import build_model
+from posbench.runtime.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES
+from posbench.training.optim import make_optimizer
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     args = parse(argv)
     torch.set_num_threads(args.threads)
     flush_denormals_from_now("cpu")  # as posbench train and eval (before torch's thread pool starts)
-    torch.use_deterministic_algorithms(True)  # as posbench/train.py trains on CPU
+    torch.use_deterministic_algorithms(True)  # as posbench/training/loop.py trains on CPU
     torch.utils.deterministic.fill_uninitialized_memory = False
     D, F, V, L = args.d_model, 4 * args.d_model, args.vocab, args.seq_len
     torch.manual_seed(0)
@@ -121,8 +121,8 @@ def main(argv=None) -> None:
     t = OmegaConf.structured(TrainConfig(seq_len=L, batch_size=args.batch))
     opt = make_optimizer(model, t, fused=False)
     tokens = np.random.default_rng(0).integers(0, V, 1 << 20).astype(np.uint16)
-    attention.attend = marked(attention.attend, "attention")
-    attention.context = marked(attention.context, "attention")
+    dispatch.attend = marked(dispatch.attend, "attention")
+    dispatch.context = marked(dispatch.context, "attention")
 
     def step(i: int) -> None:
         with record_function("data"):

@@ -35,12 +35,12 @@ def data_cache(tmp_path_factory) -> Path:
     tokenizer is trained once, ~7 s), so runs started side by side find it ready. Its folder is the session's
     ``posbench-data``, the one torchrun and submitit jobs are given too."""
     from helpers import compose_train
-    from posbench import data
-    from posbench.config import to_dict
+    from posbench.config.schema import to_dict
+    from posbench.data import cache
 
     root = tmp_path_factory.getbasetemp() / "posbench-data"
     root.mkdir(exist_ok=True)
-    data.prepare(**to_dict(compose_train(root))["data"])
+    cache.prepare(**to_dict(compose_train(root))["data"])
     return root
 
 
@@ -63,7 +63,7 @@ def run_cli(data_cache, tmp_path_factory):
 def posbench_here(data_cache, tmp_path_factory, monkeypatch, capsys):
     """``posbench_here(*args)`` → CompletedProcess of ``posbench *args`` run in this process by ``posbench.cli.main``
     (exit status from its SystemExit, stdout and stderr as captured), for the refusals that come before Hydra starts
-    a job: every job of the command line is composed and prepared first (``posbench.jobs.prepare_all``), and a bad
+    a job: every job of the command line is composed and prepared first (``posbench.jobs.command.prepare_all``), and a bad
     one stops the command there with its one line and exit status 2. Hydra's job itself is replaced by a line
     saying it started, so a command that is not refused exits 0 without training, and ``helpers.refused`` fails
     on it. Milliseconds instead of a subprocess's seconds of start-up: one subprocess test per kind of refusal
@@ -76,7 +76,9 @@ def posbench_here(data_cache, tmp_path_factory, monkeypatch, capsys):
     """
     import datasets
 
-    from posbench import cli, gpus, jobs, runlock
+    from posbench import cli
+    from posbench.jobs import command
+    from posbench.runtime import gpus, runlock
 
     held_before = set(runlock.HELD)
     monkeypatch.chdir(tmp_path_factory.mktemp("here-cwd"))
@@ -91,8 +93,8 @@ def posbench_here(data_cache, tmp_path_factory, monkeypatch, capsys):
                   file=sys.stderr)
         return task
 
-    for command, (_, config_name) in list(cli.COMMANDS.items()):
-        monkeypatch.setitem(cli.COMMANDS, command, (started(command), config_name))
+    for name, (_, config_name) in list(cli.COMMANDS.items()):
+        monkeypatch.setitem(cli.COMMANDS, name, (started(name), config_name))
 
     def run(*args) -> subprocess.CompletedProcess:
         argv = [str(a) for a in args]
@@ -112,9 +114,9 @@ def posbench_here(data_cache, tmp_path_factory, monkeypatch, capsys):
         datasets.enable_progress_bars()
     for folder in set(runlock.HELD) - held_before:
         runlock.release(folder)
-    jobs.PREPARED.clear()
-    jobs.HELD.clear()
-    jobs.inherit([])  # drops the parent options an init_from command line stored in Hydra's ConfigStore
+    command.PREPARED.clear()
+    command.HELD.clear()
+    command.inherit([])  # drops the parent options an init_from command line stored in Hydra's ConfigStore
 
 
 @pytest.fixture(scope="session")

@@ -189,23 +189,25 @@ def compose_train(cache: Path, *overrides: str):
 
 def train_here(cache: Path, run: Path, *overrides: str) -> dict:
     """``posbench train debug=fast data.cache_dir=cache *overrides`` into ``run`` (made if missing), trained in this
-    process: the job prepared and trained as the CLI's Hydra job trains it (posbench/train_job.py, posbench/train.py),
+    process: the job prepared and trained as the CLI's Hydra job trains it (posbench/jobs/train_job.py,
+    posbench/training/loop.py),
     without Hydra's own files (``.hydra/``, train.log). Returns the results record. Sets torch's threads and RNG:
     callers restore them (conftest's ``torch_state``, :func:`kept_torch_state`)."""
-    from posbench import train, train_job
+    from posbench.jobs import train_job
+    from posbench.training import loop
 
     run.mkdir(parents=True, exist_ok=True)
-    return train.train(train_job.prepare(compose_train(cache, *overrides), run))
+    return loop.train(train_job.prepare(compose_train(cache, *overrides), run))
 
 
 def eval_here(*overrides: str) -> dict:
     """``posbench eval *overrides`` (``run=<folder>`` among them) in this process: the composed eval config prepared
-    and run as the CLI's Hydra job runs it (posbench/eval_job.py), its eval-*.json / .csv written beside the run's
+    and run as the CLI's Hydra job runs it (posbench/jobs/eval_job.py), its eval-*.json / .csv written beside the run's
     results. Returns the record. Sets torch's threads: callers restore them (conftest's ``torch_state``)."""
     from hydra import compose, initialize_config_module
 
-    from posbench import eval_job
     from posbench.cli import register
+    from posbench.jobs import eval_job
 
     register()
     with initialize_config_module("posbench.conf", version_base="1.3"):
@@ -217,7 +219,7 @@ def eval_here(*overrides: str) -> dict:
 def kept_torch_state():
     """train() in process sets threads, deterministic mode, the RNG and the flush of denormals: the block leaves them
     as it found them."""
-    from posbench import device
+    from posbench.runtime import device
 
     threads, det, rng = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
     flushing = device._flushing
@@ -319,14 +321,14 @@ def nll_with_scheme(folder: Path, record: dict, scheme: torch.nn.Module) -> list
     """The NLL at lengths 32 and 64 (256 validation tokens: ``debug=fast``'s evaluation) of the run in ``folder``:
     its trained weights (checkpoint.pt) loaded into a GPT whose positional module is ``scheme``, a naive module
     written in the test from its paper; ``record``: the run's (or a re-evaluation's) results record, for the data."""
-    from posbench import data
-    from posbench.evaluate import evaluate
-    from posbench.model import GPT
+    from posbench.data import cache
+    from posbench.evaluation.perplexity import evaluate
+    from posbench.model.gpt import GPT
 
     state = torch.load(folder / "checkpoint.pt", weights_only=True)
     m = state["spec"]["model"]
     model = GPT(state["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["d_ff"], scheme, dropout=m["dropout"],
                 scale_embeddings=m["scale_embeddings"])
     model.load_state_dict(state["model"])
-    tokens = data.prepare(**record["config"]["data"]).tokens["validation"]
+    tokens = cache.prepare(**record["config"]["data"]).tokens["validation"]
     return [r["nll"] for r in evaluate(model.eval(), tokens, [32, 64], max_tokens=256)]

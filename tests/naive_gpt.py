@@ -1,5 +1,5 @@
 """A float64 reference of posbench's GPT, written from the recipe (docs/design.md §2) with loops over layers and
-explicit (H, T, T) score matrices, independently of posbench/model.py and posbench/attention.py: the tests of
+explicit (H, T, T) score matrices, independently of posbench/model/gpt.py and posbench/attention/dispatch.py: the tests of
 per-layer schemes and of length-dependent attention scaling compare the model against it.
 
     logits = naive_logits(model, idx, bias=lambda layer, pos: ..., factor=lambda layer, n: ...)

@@ -1,4 +1,4 @@
-"""posbench.attention: every kernel against a naive float64 softmax attention written here.
+"""posbench.attention.dispatch: every kernel against a naive float64 softmax attention written here.
 
 The reference computes the scores q·kᵀ/√Dh, adds the bias of the scheme's paper computed here (ALiBi:
 −m_h·(i − j), Press et al. 2022 §3, m_h = 2^(−8h/H) for H a power of two; the learned toy: −w_h·(i − j)),
@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
-import posbench.attention as attention
-import posbench.flex as flex
-from posbench.build import build_model
+from posbench.attention import dispatch as attention
+from posbench.attention import flex
+from posbench.model.build import build_model
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 
 L = 16

@@ -1,4 +1,4 @@
-"""Length-dependent attention scaling, ``model.attn_scale`` (posbench/model.py GPT): log-n scaling (Chiang & Cholak
+"""Length-dependent attention scaling, ``model.attn_scale`` (posbench/model/gpt.py GPT): log-n scaling (Chiang & Cholak
 2022: content logits × ln n / ln L) and Scalable-Softmax (Nakanishi 2025: × s_h·ln n, s learned per head and layer),
 n = the keys a query sees (t + 1 for query t of a window).
 
@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from helpers import paper_bias, refused, run_into, snapshot, train_here
 from naive_gpt import naive_logits
-from posbench.build import build_model
+from posbench.model.build import build_model
 
 VOCAB, H, D, L = 61, 4, 32, 16
 ALIBI_SLOPES = [2 ** (-8 * h / H) for h in range(1, H + 1)]  # Press et al. 2022, §3: H a power of two
@@ -120,7 +120,7 @@ def test_none_adds_no_parameter_and_no_factor():
 def test_ssmax_starts_at_its_documented_value_and_is_not_decayed():
     from omegaconf import OmegaConf
 
-    from posbench.optim import make_optimizer
+    from posbench.training.optim import make_optimizer
 
     torch.manual_seed(0)
     model = build_model({"vocab_size": VOCAB, "model": {"n_layer": 2, "n_head": H, "d_model": D, "d_ff": 2 * D,
@@ -164,7 +164,7 @@ def test_a_scaled_run_from_the_command_line(attn_scale, posbench_here, data_cach
 def test_a_checkpoint_from_before_the_option_reads_as_none_and_can_be_fine_tuned(run_cli, data_cache, tmp_path):
     """A spec recorded without model.attn_scale and model.scale_length (every checkpoint before them) reads as
     ``none``, and a run may start from it (init_from checks every model key against the parent's)."""
-    from posbench import checkpoint
+    from posbench.training import checkpoint
 
     parent, child = tmp_path / "parent", tmp_path / "child"
     assert run_into(run_cli, data_cache, parent, "scheme=alibi").returncode == 0

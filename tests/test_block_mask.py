@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
-from posbench import flex
+from posbench.attention import flex
 
 pytestmark = pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
 

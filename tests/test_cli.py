@@ -42,13 +42,15 @@ def test_debug_fast_run_writes_results_and_checkpoint(trained_run):
 
 def test_checkpoint_reproduces_reported_perplexity(trained_run):
     """Rebuilding the model from checkpoint.pt and scoring the same split gives the reported numbers."""
-    from posbench import build, checkpoint, data
-    from posbench.evaluate import evaluate
+    from posbench.data import cache
+    from posbench.evaluation.perplexity import evaluate
+    from posbench.model import build
+    from posbench.training import checkpoint
 
     state = checkpoint.read(trained_run / "checkpoint.pt")
     model = build.model_from(state)
     rec = json.loads((trained_run / "results.json").read_text())
-    corpus = data.load_cached(Path(state["tokenizer"]["path"]).parent)
+    corpus = cache.load_cached(Path(state["tokenizer"]["path"]).parent)
     e = state["config"]["eval"]
     rows = evaluate(model, corpus.tokens[e["split"]], list(e["lengths"]), e["protocol"], e["stride"],
                     e["max_tokens"], e["batch_tokens"])

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from helpers import posbench, refused, run_into, snapshot
-from posbench import jobs
+from posbench.jobs import command
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -75,7 +75,7 @@ def test_eval_takes_the_run_as_report_and_init_from_take_it(form, trained_run, p
            "run=checkpoint": f"run={trained_run / 'checkpoint.pt'}"}[form]
     proc = posbench_here("eval", arg, "train.threads=1", "train.device=cpu")
     assert proc.returncode == 0, proc.stderr
-    (job,) = jobs.PREPARED.values()
+    (job,) = command.PREPARED.values()
     assert (job.run_dir, job.device, job.threads) == (trained_run, "cpu", 1)
 
 

@@ -13,9 +13,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from posbench.cli import register
-from posbench.config import ConfigError, finalize
+from posbench.config.checks import ConfigError
+from posbench.config.schema import finalize
 from posbench.schemes import SCHEMES
-from posbench.training_state import changed_keys
+from posbench.training.states import changed_keys
 
 CONFIG_MODULE = "posbench.conf"
 GROUPS = ("scheme", "model", "data", "experiment", "debug")
@@ -220,11 +221,11 @@ def test_every_closed_choice_is_declared_on_its_field():
     """The choices finalize checks are the fields' own (``choices(...)``: field metadata), each declared once."""
     import dataclasses
 
-    from posbench.attention import QK_NORM_LAYERS, QK_NORMS
-    from posbench.config import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
-    from posbench.remap import METHODS
-    from posbench.temperature import ATTN_SCALES, SCALE_LAYERS
-    from posbench.windows import WINDOW_KINDS
+    from posbench.attention.dispatch import QK_NORM_LAYERS, QK_NORMS
+    from posbench.attention.remap import METHODS
+    from posbench.attention.temperature import ATTN_SCALES, SCALE_LAYERS
+    from posbench.attention.windows import WINDOW_KINDS
+    from posbench.config.schema import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):
@@ -259,7 +260,7 @@ def test_a_value_outside_its_fields_choices_is_refused_naming_them(overrides, me
 def test_check_choices_walks_the_sections_of_any_schema():
     from dataclasses import dataclass, field
 
-    from posbench.config_checks import check_choices, choices
+    from posbench.config.checks import check_choices, choices
 
     @dataclass
     class Inner:

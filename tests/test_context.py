@@ -1,4 +1,4 @@
-"""The context-use probe (posbench/context.py): its short windows against a construction written here, the measure
+"""The context-use probe (posbench/evaluation/context.py): its short windows against a construction written here, the measure
 against a naive computation (the full window and each short window scored by separate forward passes), copying
 models whose answer is known in closed form, the sharding over ranks, the refusals, the CLI end to end and the report.
 """
@@ -19,10 +19,11 @@ from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
 from helpers import refused, snapshot
-from posbench import context
-from posbench.build import build_model
 from posbench.cli import register
-from posbench.config import ConfigError, finalize
+from posbench.config.checks import ConfigError
+from posbench.config.schema import finalize
+from posbench.evaluation import context
+from posbench.model.build import build_model
 from posbench.report import render
 from test_report import config as run_config
 from test_report import write_run
@@ -313,7 +314,7 @@ def test_a_report_without_the_probe_has_no_context_section(tmp_path):
 
 
 def test_wandb_gets_the_difference_per_length_as_summary_values(tmp_path):
-    from posbench.tracking import Tracker
+    from posbench.runtime.tracking import Tracker
 
     class Run:
         summary: dict = {}

@@ -1,4 +1,4 @@
-"""CoPE (posbench/schemes/cope.py) and the contextual attention kernel (posbench/attention.py) against the formula
+"""CoPE (posbench/schemes/cope.py) and the contextual attention kernel (posbench/attention/dispatch.py) against the formula
 of Golovneva et al. 2024 ("Contextual Position Encoding", arXiv:2405.18719), written again here, with the choices
 of the authors' code that the paper leaves open (the gate on the logit divided by √Dh, q·e scaled like q·k, one table
 e (Dh, npos) shared by the heads). For query i, key j ≤ i and head width Dh:
@@ -29,11 +29,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import posbench.attention as attention
 from helpers import refused, run_into, snapshot, train_here
-from posbench import build, checkpoint, memory
+from posbench.attention import dispatch as attention
+from posbench.model import build, memory
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 from posbench.schemes.cope import UNFILLED_NPOS
+from posbench.training import checkpoint
 
 L = 16  # stands for the train length
 H, DH = 4, 8

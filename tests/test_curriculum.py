@@ -14,12 +14,13 @@ from hydra import compose, initialize_config_module
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import refused, run_into, snapshot, train_here
-from posbench import batches, passkey
-from posbench.batches import copy_rate, get_batch
 from posbench.cli import register
-from posbench.config import ConfigError, finalize
+from posbench.config.checks import ConfigError
+from posbench.config.schema import finalize
+from posbench.data import batches, needles
+from posbench.data.batches import copy_rate, get_batch
 
-NEEDLE = passkey.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)  # 7-token needle, 6-token query
+NEEDLE = needles.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)  # 7-token needle, 6-token query
 
 
 def stream(n=5000, seed=1):
@@ -169,27 +170,27 @@ def test_defaults_give_todays_batches_and_copy_rows_get_no_needle():
 
 @pytest.fixture(scope="module")
 def corpus(data_cache):
-    from posbench import data
+    from posbench.data import cache
 
-    return data.prepare("shakespeare", 4096, cache_dir=str(data_cache), validation=["hamlet", "the-tempest"],
+    return cache.prepare("shakespeare", 4096, cache_dir=str(data_cache), validation=["hamlet", "the-tempest"],
                         test=["macbeth", "twelfth-night"])
 
 
 def test_digit_keys_read_as_the_original_test(corpus):
     tok = Tokenizer.from_file(str(corpus.tokenizer_path))
-    needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 10, "digits")
+    needle = needles.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 10, "digits")
     assert [tok.decode([k]) for k in needle.keys] == [str(d) for d in range(10)]
     key = [needle.keys[d] for d in (7, 1, 4, 3)]
     assert tok.decode([*needle.marker, *key, *needle.end]) == " The pass key is 7143."
     val = np.asarray(corpus.tokens["validation"])
-    assert passkey.key_fraction(val, needle) == np.isin(val, needle.keys).sum() / len(val) < 1e-4
-    frequent = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
-    assert passkey.key_fraction(val, frequent) > 0.1  # the haystack is full of frequent words
+    assert needles.key_fraction(val, needle) == np.isin(val, needle.keys).sum() / len(val) < 1e-4
+    frequent = needles.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
+    assert needles.key_fraction(val, frequent) > 0.1  # the haystack is full of frequent words
 
 
 def test_reserved_keys_never_occur_in_the_train_split(corpus):
     train = np.asarray(corpus.tokens["train"])
-    needle = passkey.make_needle(corpus.tokenizer_path, train, " The pass key is", ".", 4, 50, "reserved")
+    needle = needles.make_needle(corpus.tokenizer_path, train, " The pass key is", ".", 4, 50, "reserved")
     assert len(set(needle.keys)) == 50 and not np.isin(train, needle.keys).any()
 
 
@@ -201,7 +202,7 @@ def test_a_tokenizer_that_merges_digits_cannot_spell_a_digit_key(tmp_path):
                             trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tok.json"))
     with pytest.raises(ValueError, match="eval.passkey.keys=digits: the run's tokenizer does not spell each digit"):
-        passkey.make_needle(tmp_path / "tok.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
+        needles.make_needle(tmp_path / "tok.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
     years = Tokenizer(models.BPE())  # merges that leave 0…9 in order alone but spell " 1999" as one token
     years.pre_tokenizer, years.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     years.train_from_iterator(["The pass key is 1999 and 1999 ."] * 200,
@@ -209,7 +210,7 @@ def test_a_tokenizer_that_merges_digits_cannot_spell_a_digit_key(tmp_path):
     years.save(str(tmp_path / "years.json"))
     assert len(years.encode(" 1999").ids) == 1
     with pytest.raises(ValueError, match="does not spell each digit"):
-        passkey.make_needle(tmp_path / "years.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
+        needles.make_needle(tmp_path / "years.json", np.zeros(10, np.int64), " The pass key is", ".", 4, 10, "digits")
 
 
 # ---- the options' checks ----------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_refusals_that_need_the_tokenizer_exit_2_with_nothing_written(posbench_h
 
 
 def test_a_record_from_before_key_kinds_reads_as_frequent_words():
-    from posbench.upgrade import upgrade
+    from posbench.config.upgrade import upgrade
 
     old = {"scheme": {"name": "rope"}, "eval": {"passkey": {"key_length": 4, "key_vocab": 100}}}
     assert upgrade(old)["eval"]["passkey"]["keys"] == "frequent"
@@ -268,7 +269,7 @@ def test_a_record_from_before_key_kinds_reads_as_frequent_words():
 
 
 def test_a_run_that_trains_on_needles_cannot_resume_with_another_needle_format():
-    from posbench.training_state import changed_keys
+    from posbench.training.states import changed_keys
 
     def config(rate, keys):
         return {"data": {"passkey_rate": rate}, "eval": {"passkey": {"keys": keys, "key_vocab": 10}, "lengths": [32]}}
@@ -301,7 +302,7 @@ def test_probe_every_writes_a_curve_to_metrics_and_the_record(data_cache, tmp_pa
 
 
 def test_probe_curves_average_seeds_per_step_and_keep_each_length():
-    from posbench.report import retrieval
+    from posbench.evaluation import retrieval
 
     def rec(setting, seed, accs):
         return {"setting": setting, "order": (0, setting), "seed": seed,

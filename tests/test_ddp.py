@@ -18,9 +18,11 @@ import torch
 from torch.testing import assert_close
 
 from helpers import cli_env, free_port
-from posbench import build, checkpoint, data
-from posbench.batches import get_batch
-from posbench.evaluate import evaluate
+from posbench.data import cache as token_cache
+from posbench.data.batches import get_batch
+from posbench.evaluation.perplexity import evaluate
+from posbench.model import build
+from posbench.training import checkpoint
 
 TIMEOUT = 300
 STEPS = 6
@@ -93,7 +95,7 @@ def test_sharded_evaluation_matches_a_single_process(ddp):
     state = checkpoint.read(run / checkpoint.NAME)
     model = build.model_from(state)
     config = state["config"]
-    corpus = data.prepare(**config["data"])
+    corpus = token_cache.prepare(**config["data"])
     e = config["eval"]
     assert (list(e["lengths"]), e["max_tokens"]) == (LENGTHS, MAX_TOKENS)
     rows = evaluate(model, corpus.tokens[e["split"]], LENGTHS, e["protocol"], e["stride"], e["max_tokens"],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import cli_env, free_port, train_here
-from posbench import checkpoint
+from posbench.training import checkpoint
 
 TIMEOUT = 180  # seconds: longer is a hang (a rank waiting in a collective for one that left)
 COMMON = ["debug=fast", "train.threads=1", "eval.lengths=[32,64]", "eval.max_tokens=256", "train.log_every=1"]

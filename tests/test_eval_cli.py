@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import eval_here, kept_torch_state, ok, posbench, refused, snapshot, train_here
-from posbench.build import build_model
-from posbench.evaluate import evaluate, span
+from posbench.evaluation.perplexity import evaluate, span
+from posbench.model.build import build_model
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
 
@@ -320,8 +320,8 @@ class NaiveInterpolatedRoPE(torch.nn.Module):
 
 
 def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(reevaluated):
-    from posbench import data
-    from posbench.model import GPT
+    from posbench.data import cache
+    from posbench.model.gpt import GPT
 
     folder = reevaluated
     plain = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
@@ -343,7 +343,7 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(reevalu
                 NaiveInterpolatedRoPE(m["d_model"] // m["n_head"], 4.0), dropout=m["dropout"],
                 scale_embeddings=m["scale_embeddings"])
     naive.load_state_dict(state["model"])
-    tokens = data.prepare(**scaled["config"]["data"]).tokens["validation"]
+    tokens = cache.prepare(**scaled["config"]["data"]).tokens["validation"]
     rows = evaluate(naive.eval(), tokens, [32, 64], max_tokens=256)
     for row, want in zip(rows, scaled["results"]):
         assert (row["length"], row["tokens"]) == (want["length"], want["tokens"])

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from helpers import CLI_TIMEOUT_S, cli_env, run_into
-from posbench import attention, flex
-from posbench.evaluate import evaluate
+from posbench.attention import dispatch, flex
+from posbench.evaluation.perplexity import evaluate
 from posbench.schemes import build_scheme
 
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
@@ -91,7 +91,7 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
     compiled kernel, logs nothing; Dynamo's callback list is left as it was."""
     if flex.flex_attention is None:
         pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
-    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    monkeypatch.setattr(dispatch, "_flex_cpu_works", True)
     monkeypatch.setattr(flex, "_compiled", None)
     flex.reset_compiled()
     torch.manual_seed(0)
@@ -100,13 +100,13 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
     callbacks = list(flex._compile_callbacks.start_callbacks)
     try:
         with torch.no_grad(), caplog.at_level(logging.INFO, logger="posbench"):
-            ctx = attention.context(scheme, torch.arange(T), 4, kernel="flex")
-            attention.attend(q, k, v, ctx)
-            if not attention._flex_cpu_works:
+            ctx = dispatch.context(scheme, torch.arange(T), 4, kernel="flex")
+            dispatch.attend(q, k, v, ctx)
+            if not dispatch._flex_cpu_works:
                 pytest.skip(f"compiled FlexAttention does not run on this CPU: {caplog.text[-300:]}")
             first = [r.getMessage() for r in caplog.records]
             caplog.clear()
-            attention.attend(q, k, v, ctx)
+            dispatch.attend(q, k, v, ctx)
             again = [r.getMessage() for r in caplog.records]
     finally:
         flex.reset_compiled()

@@ -1,5 +1,5 @@
 """Evaluation accounting (docs/design.md §6): every target 1…n scored exactly once under each protocol, by
-expanding ``posbench.evaluate.windows``; ``span``; and ``evaluate`` against naive loops: per target, per
+expanding ``posbench.evaluation.perplexity.windows``; ``span``; and ``evaluate`` against naive loops: per target, per
 window (the per-position curve and its bins, ``window_nll`` / ``window_tokens``, docs/design.md §7).
 """
 
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from helpers import kept_torch_state
-from posbench.build import build_model
-from posbench.evaluate import evaluate, span, windows
+from posbench.evaluation.perplexity import evaluate, span, windows
+from posbench.model.build import build_model
 
 # ---- windows --------------------------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ def test_evaluate_restores_training_mode(stream):
 
 @pytest.mark.parametrize("length", [2, 7, 64, 128, 2048, 16384])
 def test_position_bins_partition_the_window(length):
-    from posbench.evaluate import position_bins
+    from posbench.evaluation.perplexity import position_bins
 
     edges = position_bins(length).tolist()
     assert edges[0] == 0 and all(b > a for a, b in zip(edges, edges[1:])) and edges[-1] < length
@@ -289,7 +289,7 @@ def test_protocol_windows_cover_the_span_once():
 @pytest.mark.parametrize("name", ["alibi", "sinusoidal"])
 @pytest.mark.parametrize("protocol, stride", WINDOW_CASES)
 def test_nll_by_position_matches_a_naive_window_loop(name, protocol, stride, window_rows, stream):
-    from posbench.evaluate import position_bins
+    from posbench.evaluation.perplexity import position_bins
 
     model, rows, n = window_rows(name, protocol, stride)
     for row, length in zip(rows, WINDOW_LENGTHS):
@@ -371,10 +371,10 @@ def test_sharded_windows_come_back_in_order(stream, tmp_path):
 
 
 def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs(monkeypatch):
-    """posbench.device.flush_denormals, as evaluate() scores: inside, an fp32 result below 2^−126 reads 0 (Intel CPUs
+    """posbench.runtime.device.flush_denormals, as evaluate() scores: inside, an fp32 result below 2^−126 reads 0 (Intel CPUs
     take a slow path for each one, and a long ALiBi window's softmax has thousands per query); outside, IEEE's
     denormal again (in a process that does not flush for good)."""
-    from posbench import device
+    from posbench.runtime import device
 
     monkeypatch.setattr(device, "_flushing", False)
     torch.set_flush_denormal(False)  # (an in-process training run earlier in this session turned it on for good)
@@ -388,8 +388,8 @@ def test_evaluation_flushes_denormals_on_cpu_and_only_while_it_runs(monkeypatch)
 def test_a_cpu_training_process_flushes_denormals_for_good():
     """posbench train's process set-up flushes denormals on CPU from then on (KERPLE power's training softmax is full
     of them), and an evaluation's flush_denormals block inside it does not turn IEEE's behaviour back on."""
-    from posbench import device
-    from posbench.train import start_process
+    from posbench.runtime import device
+    from posbench.training.loop import start_process
 
     tiny = torch.tensor([1e-30])  # (1e-30 · 1e-10 = 1e-40: a float32 denormal)
     with kept_torch_state():
@@ -406,7 +406,7 @@ def test_a_cpu_training_process_flushes_denormals_for_good():
 def test_windows_that_miss_targets_raise_a_real_error(monkeypatch):
     """The coverage invariant holds in production, not only under a debugger: a real error (``python -O`` strips
     asserts)."""
-    from posbench import evaluate as ev
+    from posbench.evaluation import perplexity as ev
 
     model = build_model({"vocab_size": 50, "model": {"n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32},
                          "scheme": {"name": "nope"}})

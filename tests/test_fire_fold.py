@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from helpers import paper_bias
-from posbench import attention, flex
-from posbench.model import GPT
+from posbench.attention import dispatch, flex
+from posbench.model.gpt import GPT
 from posbench.schemes import build_scheme
 from posbench.schemes.fire import Fire
 
@@ -176,8 +176,8 @@ def test_evaluation_past_the_threshold_is_the_mlps(monkeypatch, T):
     net = fire_model()
     idx = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
     kernels = []
-    choose = attention.choose_kernel
-    monkeypatch.setattr(attention, "choose_kernel", lambda *a, **k: kernels.append(choose(*a, **k)) or kernels[-1])
+    choose = dispatch.choose_kernel
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda *a, **k: kernels.append(choose(*a, **k)) or kernels[-1])
     with torch.no_grad():
         got = net(idx)  # (2, T, V)
     assert kernels and set(kernels) == {"dense"}
@@ -193,7 +193,7 @@ def test_compiled_flex_on_cpu_with_the_folds_score_mod_is_the_dense_bias(monkeyp
     """Compiled Flex (CPU, no gradients) with FIRE's own score_mod, the fold (the MLP's unrolled sum made to fail, so
     it cannot be what ran), against the dense kernel's bias and a float64 attention; then again after the parameters
     change, through a new context (which refreshes the fold)."""
-    if not attention._flex_cpu_works:
+    if not dispatch._flex_cpu_works:
         pytest.skip("FlexAttention does not compile on this machine")
     flex.reset_compiled()  # (a dynamic-shape variant left by earlier tests did not compile on CPU in torch 2.13)
     s, T = awkward_fire(dtype=torch.float32), 48
@@ -210,13 +210,13 @@ def test_compiled_flex_on_cpu_with_the_folds_score_mod_is_the_dense_bias(monkeyp
 
     for step in range(2):
         with torch.no_grad():
-            dense = attention.attend(q, k, v, attention.context(s, pos, H, kernel="dense"))
-            ctx = attention.context(s, pos, H, kernel="flex")
+            dense = dispatch.attend(q, k, v, dispatch.context(s, pos, H, kernel="dense"))
+            ctx = dispatch.context(s, pos, H, kernel="flex")
             assert ctx.table is None  # Flex calls the scheme's score_mod
             with monkeypatch.context() as m:
                 m.setattr(Fire, "score_mod_mlp", fail)
-                got = attention.attend(q, k, v, ctx)
-            assert attention._flex_cpu_works, "Flex fell back to the dense kernel"
+                got = dispatch.attend(q, k, v, ctx)
+            assert dispatch._flex_cpu_works, "Flex fell back to the dense kernel"
             want = reference()
         assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
         assert_close(dense.double(), want, rtol=1e-4, atol=1e-5)

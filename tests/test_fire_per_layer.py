@@ -19,9 +19,10 @@ from torch.testing import assert_close
 
 from helpers import paper_bias, run_into
 from naive_gpt import naive_logits
-from posbench import build, checkpoint
+from posbench.config.upgrade import scheme_section
+from posbench.model import build
 from posbench.schemes import SCHEMES
-from posbench.upgrade import scheme_section
+from posbench.training import checkpoint
 
 VOCAB, H, D, LAYERS, L = 61, 4, 32, 3, 16  # H = 4: tests/test_relative.py's heads
 

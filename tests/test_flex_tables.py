@@ -4,7 +4,7 @@ Inductor's own check of that backward graph (the one that refused FIRE on CUDA),
 kernels between schemes and raises rather than fall back to Flex's eager form.
 
 Flex has no backward on CPU in torch, which refuses inputs that need gradients: the backward tests lift that refusal
-(``attention.flex_backward`` and torch's device check) and run Flex's eager math backward through ``aot_autograd``,
+(``dispatch.flex_backward`` and torch's device check) and run Flex's eager math backward through ``aot_autograd``,
 which also hands over the backward graph that Inductor would lower on a GPU.
 """
 
@@ -18,8 +18,8 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-from posbench import attention, flex
-from posbench.model import GPT
+from posbench.attention import dispatch, flex
+from posbench.model.gpt import GPT
 from posbench.schemes import build_scheme
 
 pytestmark = pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
@@ -54,12 +54,12 @@ def test_the_distance_table_gives_every_pair_its_bias(name, positions):
     g = torch.Generator().manual_seed(3)
     pos = torch.arange(1000, 1000 + T) if positions == "shifted" else torch.randperm(400, generator=g)[:T].sort().values
     with torch.no_grad():
-        got = attention.dense_mask(s, pos, H, 0, T, torch.float64)  # (H, T, T), −inf above the diagonal
+        got = dispatch.dense_mask(s, pos, H, 0, T, torch.float64)  # (H, T, T), −inf above the diagonal
     want = naive_bias(s, pos)
     lower = torch.ones(T, T, dtype=torch.bool).tril()
     torch.testing.assert_close(got[:, lower], want[:, lower], rtol=1e-6, atol=1e-6)
     assert torch.isneginf(got[:, ~lower]).all()
-    assert attention.distance_table(s, pos, torch.float32).shape == (H, int(pos[-1] - pos[0]) + 1)
+    assert dispatch.distance_table(s, pos, torch.float32).shape == (H, int(pos[-1] - pos[0]) + 1)
 
 
 def test_fires_matmul_bias_is_its_unrolled_score_mod(monkeypatch):
@@ -83,7 +83,7 @@ def flex_training(monkeypatch):
         graphs.append(gm)
         return gm.forward
 
-    monkeypatch.setattr(attention, "flex_backward", lambda device: True)
+    monkeypatch.setattr(dispatch, "flex_backward", lambda device: True)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention,
                                                                    backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)))
@@ -124,13 +124,13 @@ def test_flex_trains_every_learned_bias_through_one_indexing_op(monkeypatch, nam
     s, T = scheme_of(name, **options), 48
     pos = torch.arange(T)
     q, k, v = (torch.randn(2, H, T, DH, requires_grad=True) for _ in range(3))
-    ctx = attention.context(s, pos, H, kernel="flex")
+    ctx = dispatch.context(s, pos, H, kernel="flex")
     laid_out = {"shared": (H, T), "residue": (H, flex.RESIDUES, T), "pair": (H, T, T)}[flex.OPTIONS.table_layout]
     learned = any(p.requires_grad for p in s.parameters())  # (Sandwich's table has no parameters: kept shared)
     want = (laid_out if learned else (H, T)) if s.distance_table else (H, T, T)
     assert ctx.table is not None and ctx.table.shape == want
     g = torch.randn(2, H, T, DH)
-    got = torch.autograd.grad((attention.attend(q, k, v, ctx) * g).sum(), [q, k, v, *s.parameters()])
+    got = torch.autograd.grad((dispatch.attend(q, k, v, ctx) * g).sum(), [q, k, v, *s.parameters()])
     assert joint_graph_errors(graphs) == []
     want = torch.autograd.grad((naive_attention(q, k, v, s, pos) * g).sum(), [q, k, v, *s.parameters()])
     for a, b in zip(got, want):
@@ -143,11 +143,11 @@ def test_fires_own_score_mod_is_what_inductor_refuses(monkeypatch):
     graphs = flex_training(monkeypatch)
     s, T = scheme_of("fire", mlp_width=4), 16
     pos = torch.arange(T)
-    ctx = attention.context(s, pos, H, kernel="flex")
+    ctx = dispatch.context(s, pos, H, kernel="flex")
     ctx.score_mod = flex.score_mod(s, pos, None)
     q, k, v = (torch.randn(1, H, T, DH, requires_grad=True) for _ in range(3))
     try:
-        attention.attend(q, k, v, ctx).sum().backward()
+        dispatch.attend(q, k, v, ctx).sum().backward()
     except Exception:  # noqa: BLE001 - the eager backward may or may not run this graph; the graph is what we check
         pass
     assert any("multiple indexing" in e for e in joint_graph_errors(graphs))
@@ -164,11 +164,11 @@ def test_four_flex_schemes_share_compiled_kernels_and_never_fall_back(monkeypatc
     """T5, KERPLE, Sandwich and per-layer FIRE evaluated at three lengths in one process, as a sweep's worker does:
     a handful of compiled variants (Dynamo's default limit is 8 per process), never the dense kernel; and once the
     limit is reached, a new variant raises instead of running Flex's eager form."""
-    if not attention._flex_cpu_works:
+    if not dispatch._flex_cpu_works:
         pytest.skip("FlexAttention does not compile on this machine")
     flex.reset_compiled()
-    monkeypatch.setattr(attention, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
-    monkeypatch.setattr(attention, "choose_kernel", lambda *args: "flex")  # as on CUDA (CPU evaluates the tables banded)
+    monkeypatch.setattr(dispatch, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda *args: "flex")  # as on CUDA (CPU evaluates the tables banded)
     before = counters["frames"]["ok"]
     with torch.no_grad():
         for name in ("t5", "kerple_log", "sandwich", "fire"):
@@ -200,7 +200,7 @@ def test_a_table_lowers_flexs_pipeline_stages_on_cuda_only(monkeypatch):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(flex, "_compiled", spy)
-    monkeypatch.setattr(attention, "choose_kernel", lambda *args: "flex")  # as on CUDA
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda *args: "flex")  # as on CUDA
     monkeypatch.setattr(flex, "kernel_options", lambda device, table, dtype=None: {"num_stages": 2, "table": table.shape})
     with torch.no_grad():
         model("t5")(torch.randint(0, 64, (1, 16)))
@@ -211,9 +211,9 @@ def test_a_gpu_takes_larger_blocks_of_contextual_scores():
     """CoPE's blocks of scores: the CPU budget on CPU, a 16× larger one on CUDA (CPU-sized blocks leave a GPU
     launch-bound)."""
     B, T = 4, 2048
-    cpu, cuda = attention.contextual_blocks(B, H, T, "cpu"), attention.contextual_blocks(B, H, T, "cuda")
-    assert max(e - s for s, e in cpu) * B * H * T <= attention.CONTEXT_ELEMENTS
-    assert max(e - s for s, e in cuda) * B * H * T <= attention.CONTEXT_ELEMENTS_CUDA
+    cpu, cuda = dispatch.contextual_blocks(B, H, T, "cpu"), dispatch.contextual_blocks(B, H, T, "cuda")
+    assert max(e - s for s, e in cpu) * B * H * T <= dispatch.CONTEXT_ELEMENTS
+    assert max(e - s for s, e in cuda) * B * H * T <= dispatch.CONTEXT_ELEMENTS_CUDA
     assert len(cpu) >= 16 * len(cuda) and cpu[-1][1] == cuda[-1][1] == T
 
 

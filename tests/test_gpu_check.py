@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from posbench.cli import register
-from posbench.config import finalize
+from posbench.config.schema import finalize
 from posbench.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posbench.build import build_model
+from posbench.model.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from posbench import model as model_module
-from posbench.build import build_model
-from posbench.model import HeadNLL, head_dtype, head_rows
+from posbench.model import gpt as model_module
+from posbench.model.build import build_model
+from posbench.model.gpt import HeadNLL, head_dtype, head_rows
 
 N, D, V = 45, 32, 300
 

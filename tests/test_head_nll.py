@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.build import build_model
-from posbench.model import HeadNLL
+from posbench.model.build import build_model
+from posbench.model.gpt import HeadNLL
 
 
 def naive_nll(h, weight, targets):

@@ -1,5 +1,6 @@
 """Hybrid layers: attention windows, sinks, QK-norm, a global scheme beside the local one, PoSE's positions, their
-labels and memory estimate (posbench/windows.py, attention.py, model.py, build.py, batches.py, results.py, memory.py),
+labels and memory estimate (posbench/attention/windows.py and dispatch.py, posbench/model/, posbench/data/batches.py,
+posbench/evaluation/results.py),
 each against a construction written here:
 
 * windows: Hugging Face's mask functions written out on an index grid, ``sliding_window_overlay`` (kv_idx > q_idx − W)
@@ -26,14 +27,16 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import posbench.attention as attention
-import posbench.flex as flex
 from helpers import kept_torch_state
 from naive_gpt import naive_logits
-from posbench import batches, memory, results
-from posbench.build import build_model
+from posbench.attention import dispatch as attention
+from posbench.attention import flex
+from posbench.attention.windows import Window, expand_pattern
+from posbench.data import batches
+from posbench.evaluation import results
+from posbench.model import memory
+from posbench.model.build import build_model
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
-from posbench.windows import Window, expand_pattern
 
 H, DH = 4, 8
 FLEX = os.environ.get("POSBENCH_TEST_FLEX") == "1" and flex.flex_attention is not None

@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_module
 
 from helpers import compose_train, eval_here, kept_torch_state, ok, refused, run_into, snapshot, train_here
 from posbench.cli import register
-from posbench.config import finalize, to_dict
-from posbench.results import run_label
+from posbench.config.schema import finalize, to_dict
+from posbench.evaluation.results import run_label
 
 HYBRID = ["model.layer_pattern=LG", "model.window=8", "model.global_scheme=nope"]  # debug=fast: L = 32
 
@@ -118,7 +118,7 @@ def sweep(experiment: str) -> list[str]:
 
 
 def test_experiment_hybrids_sweeps_every_design_with_its_label():
-    from posbench.windows import expand_pattern
+    from posbench.attention.windows import expand_pattern
 
     assert sweep("hybrids") == list(LABELS)
     with initialize_config_module("posbench.conf", version_base="1.3"):
@@ -194,17 +194,17 @@ def test_posbench_eval_rebuilds_the_hybrid(hybrid_run, torch_state):
 
 
 def test_a_fine_tune_takes_the_parent_s_layers(hybrid_run, data_cache):
-    from posbench import jobs
+    from posbench.jobs import command
 
     run, _ = hybrid_run
     register()
     try:
-        jobs.inherit([f"init_from={run}"])
+        command.inherit([f"init_from={run}"])
         with initialize_config_module("posbench.conf", version_base="1.3"):
             cfg = compose("train", overrides=[f"init_from={run}", "debug=fast", f"data.cache_dir={data_cache}"])
         cfg = to_dict(finalize(cfg, training=False, trained_length=32))
     finally:
-        jobs.inherit([])
+        command.inherit([])
     m = cfg["model"]
     assert (m["layer_pattern"], m["window"], m["global_scheme"], m["attn_sink"], m["qk_norm"]) == ("LG", 8, {"name": "nope"},
                                                                                                True, "rms")
@@ -237,8 +237,8 @@ def test_a_record_from_before_the_options_keeps_its_label_and_model():
     same: the keys read as their defaults."""
     import torch
 
-    from posbench import build
-    from posbench.upgrade import upgrade
+    from posbench.config.upgrade import upgrade
+    from posbench.model import build
 
     old = {"scheme": {"name": "rope"}, "model": {"n_layer": 2, "name": "tiny"}, "train": {"seq_len": 128}}
     assert run_label(old) == run_label(upgrade(old)) == "rope"

@@ -1,9 +1,9 @@
 """What a run started from a parent (``init_from``) takes from it, in process: the parent's scheme, its options
-and its L put into Hydra's composition (``posbench.jobs.inherit``), and what still wins over them; the options
-that differ from the parent's (``posbench.lineage.differences``); what preparing a job logs, held and logged when
-the job starts (``posbench.jobs.held_logs``, ``job_for``).
+and its L put into Hydra's composition (``posbench.jobs.command.inherit``), and what still wins over them; the options
+that differ from the parent's (``posbench.training.lineage.differences``); what preparing a job logs, held and logged when
+the job starts (``posbench.jobs.command.held_logs``, ``job_for``).
 
-Parents here are checkpoint contents made by hand (``posbench.lineage.read`` is replaced); tests/test_init_from.py
+Parents here are checkpoint contents made by hand (``posbench.training.lineage.read`` is replaced); tests/test_init_from.py
 runs the same through the CLI on trained parents.
 """
 
@@ -16,9 +16,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 
-from posbench import jobs, lineage
 from posbench.cli import register
-from posbench.config import ConfigError
+from posbench.config.checks import ConfigError
+from posbench.jobs import command
+from posbench.training import lineage
 
 ROPE = {"name": "rope", "base": 500.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_length": None, "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -38,13 +39,13 @@ def parents(monkeypatch):
     monkeypatch.setattr(lineage, "read", lambda path: found[path])
     register()
     yield found
-    jobs.inherit([])  # (removes them)
+    command.inherit([])  # (removes them)
     assert "parent" not in ConfigStore.instance().repo
 
 
 def composed(*overrides: str):
-    jobs.inherit(list(overrides))
-    with initialize_config_module(jobs.CONFIG_MODULE, version_base="1.3"):
+    command.inherit(list(overrides))
+    with initialize_config_module(command.CONFIG_MODULE, version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
 
@@ -78,17 +79,17 @@ def test_without_a_parent_the_defaults_are_trains(parents):
 
 
 def test_a_sweep_over_parents_takes_what_they_share_and_refuses_what_they_do_not(parents):
-    jobs.inherit(["init_from=rope64,rope64b"])  # two parents, the same scheme, options and L
+    command.inherit(["init_from=rope64,rope64b"])  # two parents, the same scheme, options and L
     assert ConfigStore.instance().repo["parent"]
     with pytest.raises(ConfigError, match=r"init_from=rope64,rope32: a run takes its parent's scheme, scheme options, "
                                           r"L and layers, and these parents differ \(.*train.seq_len=64; .*train.seq_len=32\)"):
-        jobs.inherit(["init_from=rope64,rope32"])
+        command.inherit(["init_from=rope64,rope32"])
 
 
 def test_a_parent_of_a_scheme_no_longer_registered_is_refused(parents):
     parents["gone"] = parent({"name": "gone"}, 32)
     with pytest.raises(ConfigError, match=r"its scheme 'gone' is not registered; the schemes: .*rope"):
-        jobs.inherit(["init_from=gone"])
+        command.inherit(["init_from=gone"])
 
 
 def test_differences_lists_what_the_child_changed_in_its_order():
@@ -109,16 +110,16 @@ def test_what_preparing_logs_is_held_and_logged_when_the_job_starts(caplog, monk
     log = logging.getLogger("posbench")
     with caplog.at_level(logging.INFO, logger="posbench"):
         level = log.level
-        with jobs.held_logs() as held:
+        with command.held_logs() as held:
             log.warning("a warning while preparing")
             log.info("a note while preparing")
         assert caplog.records == [] and [r.getMessage() for r in held] == ["a warning while preparing",
                                                                             "a note while preparing"]
         assert log.propagate and log.level == level and not log.handlers  # put back
         cfg = {"a": 1}
-        monkeypatch.setattr(jobs, "key_of", lambda c: "key")
-        monkeypatch.setitem(jobs.PREPARED, "key", "the job")
-        monkeypatch.setitem(jobs.HELD, "key", held)
-        assert jobs.job_for(cfg, lambda c: pytest.fail("prepared again")) == "the job"
+        monkeypatch.setattr(command, "key_of", lambda c: "key")
+        monkeypatch.setitem(command.PREPARED, "key", "the job")
+        monkeypatch.setitem(command.HELD, "key", held)
+        assert command.job_for(cfg, lambda c: pytest.fail("prepared again")) == "the job"
         assert [r.getMessage() for r in caplog.records] == ["a warning while preparing", "a note while preparing"]
-        assert jobs.job_for(cfg, None) == "the job" and len(caplog.records) == 2  # logged once
+        assert command.job_for(cfg, None) == "the job" and len(caplog.records) == 2  # logged once

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from helpers import free_port, refused, rows, run_into, snapshot, steps_of, valid_states
-from posbench import build, data
-from posbench.batches import get_batch
+from posbench.data import cache
+from posbench.data.batches import get_batch
+from posbench.model import build
 from test_resume import cli, start, wait_until
 
 FT = ["train.seq_len=64", "eval.lengths=[32,64,128]", "train.schedule=constant", "train.warmup_steps=2"]
@@ -88,7 +89,7 @@ def test_first_step_starts_from_the_parents_weights_with_a_fresh_optimizer(run_c
     parent = weights(parents["rope"])
     model = build.build_model(parent["spec"])
     model.load_state_dict(parent["model"])
-    corpus = data.prepare(**{**parent["config"]["data"], "cache_dir": str(data_cache)})
+    corpus = cache.prepare(**{**parent["config"]["data"], "cache_dir": str(data_cache)})
     x, y = get_batch(corpus.tokens["train"], 0, 0, 4, 64)  # the fine-tune's batch 0 (seed 0, B = 4, L = 64)
     model(x, targets=y).mean().backward()
     first = state["optimizer"]["state"][0]["exp_avg"]  # the first decayed parameter: the first matrix

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from posbench import gpus
+from posbench.runtime import gpus
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -1,8 +1,10 @@
-"""The package's layering: every module has a level in ``posbench.LEVELS`` and imports only from lower levels (imports
-inside functions counted), every module imports alone in a fresh interpreter, no import cycle, and the only imports placed inside
-functions are of the third-party packages whose import a run may skip, each with a comment on its line saying so:
-wandb and matplotlib (when tracking or plotting is off), submitit (outside SLURM), datasets (with a warm data cache)
-and scipy (outside a report): each costs start-up time that most processes never need.
+"""The package's wings: every module has a place in ``posbench.LEVELS`` (a wing, and a level inside it) and imports only
+from the wings below its own or from lower levels of its own wing (imports inside functions counted); every wing's
+``__init__`` is a docstring saying what lives there, what it may import and where to start, unless LEVELS places it;
+every module imports alone in a fresh interpreter; no import cycle; and the only imports placed inside functions are
+of the third-party packages whose import a run may skip, each with a comment on its line saying so: wandb and
+matplotlib (when tracking or plotting is off), submitit (outside SLURM), datasets (with a warm data cache) and scipy
+(outside a report): each costs start-up time that most processes never need.
 
 The imports are read from the source with ``ast``, independently of any tool of the package.
 """
@@ -31,7 +33,8 @@ def modules() -> dict[str, Path]:
 
 
 def imported(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
-    """(module of the package, inside a function?, line) of every import in ``path`` that names one."""
+    """(module of the package, inside a function?, line) of every import in ``path`` that names one; ``from P import m``
+    of a module m names P.m (P's ``__init__`` runs first, as for every import of a submodule, and is not counted)."""
     tree = ast.parse(path.read_text())
     inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f) if n is not f}
@@ -45,47 +48,62 @@ def imported(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, in
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(parts + ([base] if base else []))
-            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
-        out += [(t, id(node) in inside, node.lineno) for t in targets if t in known and t != name]
+        out += [(t, id(node) in inside, node.lineno) for t in dict.fromkeys(targets) if t in known and t != name]
     return out
 
 
-def levels_table() -> tuple[tuple[str, ...], ...]:
+def levels_table() -> tuple:
     """``posbench.LEVELS``, read from the source with ``ast`` (no import of the package)."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     return next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "LEVELS")
 
 
-def levels() -> dict[str, int]:
-    """{dotted module name: level}; "schemes.*" gives every scheme family file its level, below any entry that
-    names a module of that folder itself (the registry, the interface)."""
-    out, named = {}, {}
-    for level, names in enumerate(levels_table()):
-        for name in names:
-            if name.endswith(".*"):
-                folder = name[:-2]
-                for path in sorted((PACKAGE / folder.replace(".", "/")).glob("*.py")):
-                    out[f"posbench.{folder}.{path.stem}"] = level
-            else:
-                named[f"posbench.{name}"] = level
-    return {**out, **named}
+def wing_inits() -> list[str]:
+    """The dotted names of the wings' ``__init__`` modules that LEVELS does not place: docstrings only."""
+    named = {(wing, name) for wing, levels in levels_table() for names in levels for name in names}
+    return [f"posbench.{wing}" for wing, _ in levels_table() if wing and (wing, "__init__") not in named]
+
+
+def levels() -> dict[str, tuple[int, int]]:
+    """{dotted module name: (wing, level)}; "*" places every module of its wing that no level names; a wing's
+    ``__init__`` that no level names sits below its wing's modules (it imports nothing)."""
+    out = {}
+    for w, (wing, wing_levels) in enumerate(levels_table()):
+        prefix = f"posbench.{wing}." if wing else "posbench."
+        named = {n for names in wing_levels for n in names}
+        for lv, names in enumerate(wing_levels):
+            for n in names:
+                if n == "*":
+                    for path in sorted((PACKAGE / wing).glob("*.py")):
+                        if path.stem not in named and path.stem != "__init__":
+                            out[prefix + path.stem] = (w, lv)
+                elif n == "__init__":
+                    out[f"posbench.{wing}"] = (w, lv)
+                else:
+                    out[prefix + n] = (w, lv)
+        if wing and "__init__" not in named:
+            out[f"posbench.{wing}"] = (w, -1)
+    return out
 
 
 def test_every_module_has_one_level():
     """Each module of the package is placed in LEVELS (a new module must say where it stands), once."""
-    names = [name for names in levels_table() for name in names]
+    names = [(wing, n) for wing, wing_levels in levels_table() for ns in wing_levels for n in ns]
     assert len(names) == len(set(names)), "a module is named twice in LEVELS"
     missing = sorted(set(modules()) - {"posbench"} - set(levels()))
     assert not missing, f"modules without a level in posbench.LEVELS: {missing}"
-    stale = sorted(f"posbench.{n}" for n in names if not n.endswith(".*") and f"posbench.{n}" not in modules())
+    stale = sorted(set(levels()) - set(modules()))
     assert not stale, f"LEVELS names modules that do not exist: {stale}"
+    folders = {path.parts[len(PACKAGE.parts)] for path in PACKAGE.rglob("*.py") if path.parent != PACKAGE}
+    assert folders == {wing for wing, _ in levels_table() if wing}, "every folder of the package is a wing of LEVELS"
 
 
 def test_a_module_imports_only_from_lower_levels():
-    """Every import of a package module (top level or inside a function) goes to a strictly lower level: an import
-    from the same level or above fails, naming both modules, their levels and the line."""
+    """Every import of a package module (top level or inside a function) goes to a lower wing, or to a lower level of
+    its own wing: an import from the same level or above fails, naming both modules, their places and the line."""
     mods, level = modules(), levels()
     wrong = []
     for m, path in mods.items():
@@ -93,28 +111,47 @@ def test_a_module_imports_only_from_lower_levels():
             continue
         for target, _, line in imported(m, path, set(mods)):
             if target != "posbench" and level[target] >= level[m]:
-                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {m} (level {level[m]}) imports {target} "
-                             f"(level {level[target]})")
-    assert not wrong, "imports from the same level or above:\n" + "\n".join(wrong)
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {m} {level[m]} imports {target} {level[target]}")
+    assert not wrong, "imports from the same level or above ((wing, level)):\n" + "\n".join(wrong)
 
 
 def test_the_level_check_catches_an_upward_import(tmp_path, monkeypatch):
-    """The check above fails on a package where a module imports one of a higher level or of its own (a fixture
-    package made here), and passes once the imports go down."""
+    """The check above fails on a package where a module imports one of a higher wing, of its own level or of a
+    higher level of its wing (a fixture package made here), and passes once the imports go down."""
     pkg = tmp_path / "posbench"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low",), ("high",))\n')
-    (pkg / "high.py").write_text("from posbench import low\n")
-    (pkg / "low.py").write_text("from posbench import high\n")
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "high").mkdir()
+    (pkg / "low" / "__init__.py").write_text('"""The low wing."""\n')
+    (pkg / "high" / "__init__.py").write_text('"""The high wing."""\n')
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low", (("a",), ("b",))), ("high", (("c",),)))\n')
+    (pkg / "high" / "c.py").write_text("from posbench.low import a\n")
+    (pkg / "low" / "a.py").write_text("from posbench.high import c\n")
+    (pkg / "low" / "b.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
-    with pytest.raises(AssertionError, match=r"posbench.low \(level 0\) imports posbench.high \(level 1\)"):
+    with pytest.raises(AssertionError, match=r"posbench.low.a \(0, 0\) imports posbench.high.c \(1, 0\)"):
         test_a_module_imports_only_from_lower_levels()
-    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low", "high"),)\n')
-    (pkg / "low.py").write_text("")
-    with pytest.raises(AssertionError, match=r"posbench.high \(level 0\) imports posbench.low \(level 0\)"):
+    (pkg / "low" / "a.py").write_text("from posbench.low import b\n")
+    with pytest.raises(AssertionError, match=r"posbench.low.a \(0, 0\) imports posbench.low.b \(0, 1\)"):
+        test_a_module_imports_only_from_lower_levels()  # a higher level of its own wing
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low", (("a", "b"),)), ("high", (("c",),)))\n')
+    with pytest.raises(AssertionError, match=r"posbench.low.a \(0, 0\) imports posbench.low.b \(0, 0\)"):
         test_a_module_imports_only_from_lower_levels()  # the same level is not below
-    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low",), ("high",))\n')
+    (pkg / "__init__.py").write_text('LEVELS: tuple = (("low", (("a",), ("b",))), ("high", (("c",),)))\n')
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "low" / "b.py").write_text("from posbench.low import a\n")
     test_a_module_imports_only_from_lower_levels()
+
+
+def test_every_wing_init_is_a_docstring_that_says_what_lives_there():
+    """A wing's ``__init__`` that LEVELS does not place holds its docstring and nothing else (importing one module of
+    a wing loads that module alone), and the docstring says what the wing may import and where to start reading."""
+    for name in wing_inits():
+        path = PACKAGE / name.split(".")[1] / "__init__.py"
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and len(tree.body) == 1, f"{path}: a docstring and nothing else"
+        assert "Import" in doc and "Start with" in " ".join(doc.split()), \
+            f"{path}: say what the wing may import and where to start reading"
 
 
 def test_no_module_imports_back_up():
@@ -237,5 +274,5 @@ def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path):
 def test_the_test_sees_every_module():
     """The checks above read the source tree of this checkout: every file of the package is among them."""
     mods = modules()
-    assert {"posbench", "posbench.cli", "posbench.schemes", "posbench.schemes.base", "posbench.build"} <= set(mods)
+    assert {"posbench", "posbench.cli", "posbench.schemes", "posbench.schemes.base", "posbench.model.build"} <= set(mods)
     assert len(mods) == len(list(PACKAGE.rglob("*.py")))

@@ -1,4 +1,4 @@
-"""posbench/memory.py against measurement and independent formulas: the peak RSS of a real training step in a fresh
+"""posbench/model/memory.py against measurement and independent formulas: the peak RSS of a real training step in a fresh
 process, the quadratic growth of the dense kernel's attention, the refusal message, and the host's memory."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posbench import memory
+from posbench.model import memory
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -29,7 +29,7 @@ def tiny(scheme: str) -> dict:
 STEP = """
 import json, re, sys, torch
 torch.set_num_threads(2)
-from posbench.build import build_model
+from posbench.model.build import build_model
 scheme, B, T, training = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "train"
 
 def status(key):
@@ -158,7 +158,7 @@ def test_available_bytes_falls_back_to_physical_memory(monkeypatch):
 
 
 def test_parameter_count_matches_the_built_model():
-    from posbench.build import build_model
+    from posbench.model.build import build_model
 
     for scheme in ("rope", "t5", "fire"):
         spec = tiny(scheme)
@@ -176,21 +176,23 @@ def test_kernel_for_follows_the_attention_module():
 
 def test_residual_dropout_keeps_flexattention_and_attention_dropout_leaves_it(monkeypatch):
     """The memory check of a CUDA run picks the kernel by ``model.attn_dropout``, not ``model.dropout``: ALiBi under
-    residual dropout alone keeps FlexAttention (as ``attention.choose_kernel`` picks it, from class attributes)."""
+    residual dropout alone keeps FlexAttention (as ``dispatch.choose_kernel`` picks it, from class attributes)."""
     import types
 
     import torch
     from hydra import compose, initialize_config_module
 
-    from posbench import attention, build, flex, train_job
+    from posbench.attention import dispatch, flex
     from posbench.cli import register
-    from posbench.config import finalize, to_dict
+    from posbench.config.schema import finalize, to_dict
+    from posbench.jobs import train_job
+    from posbench.model import build
     from posbench.schemes import SCHEMES
 
     if flex.flex_attention is None:
         pytest.skip("FlexAttention needs torch >= 2.5")
     cuda = torch.device("cuda")
-    assert attention.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"
+    assert dispatch.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"
     assert memory.kernel_for("alibi", "cuda", True, dropout=0.0) == "flex"
     assert memory.kernel_for("alibi", "cuda", True, dropout=0.1) == "dense"
     kernels = []  # (kernel, device) of each memory check
@@ -263,8 +265,8 @@ def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_figures(posbench_h
 
 def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
     from helpers import compose_train
-    from posbench import train_job
-    from posbench.config import ConfigError
+    from posbench.config.checks import ConfigError
+    from posbench.jobs import train_job
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: (1 << 20, "a 1 MiB test machine"))
     cfg, off = (compose_train(data_cache, *extra) for extra in ([], ["train.check_memory=false"]))

@@ -1,5 +1,5 @@
-"""posbench.model with every scheme: causality at the train length and past it, the attention layer (through
-posbench/attention.py's kernels) against a naive attention written here, and the state_dict keys that
+"""posbench.model.gpt with every scheme: causality at the train length and past it, the attention layer (through
+posbench/attention/dispatch.py's kernels) against a naive attention written here, and the state_dict keys that
 checkpoints written before the attention kernels were split out still carry.
 """
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import posbench.attention as attention
-from posbench.build import build_model
-from posbench.model import GPT, Attention
+from posbench.attention import dispatch as attention
+from posbench.model.build import build_model
+from posbench.model.gpt import GPT, Attention
 from posbench.schemes import SCHEMES, build_scheme
 
 L = 16  # the "train length" of these random-init models
@@ -171,7 +171,7 @@ def test_only_nope_is_blind_to_order(name):
         assert change > 1e-4, f"{name} is blind to token order"
 
 
-# ---- checkpoints written before the attention kernels moved to posbench/attention.py -------------------
+# ---- checkpoints written before the attention kernels moved to posbench/attention/dispatch.py -------------------
 
 BLOCK_KEYS = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.qkv.weight", "attn.proj.weight",
               "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]

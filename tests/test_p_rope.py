@@ -33,12 +33,13 @@ from helpers import (
     train_here,
     yarn_frequencies,
 )
-from posbench import build, checkpoint
-from posbench.build import build_model
-from posbench.config import PosbenchConfig, finalize
-from posbench.model import GPT
+from posbench.config.schema import PosbenchConfig, finalize
+from posbench.model import build
+from posbench.model.build import build_model
+from posbench.model.gpt import GPT
 from posbench.schemes import PositionalScheme, build_scheme, variant_label
 from posbench.schemes.rotary import PRoPE
+from posbench.training import checkpoint
 
 DH = 16  # head width of the unit tests (d_model 32, 2 heads): 8 frequency pairs
 L = 16  # their "train length"

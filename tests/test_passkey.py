@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from helpers import refused, run_into, snapshot, train_here, wilson
-from posbench import passkey
-from posbench.batches import get_batch
+from posbench.data import needles
+from posbench.data.batches import get_batch
+from posbench.evaluation import passkey
 from posbench.report import render
 
 V = 50
-NEEDLE = passkey.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)
+NEEDLE = needles.Needle(marker=(40, 41, 42), end=(43,), keys=tuple(range(20, 30)), k=3)
 
 
 def stream(n=5000, seed=1):
@@ -120,11 +121,11 @@ def test_rate_one_puts_a_needle_and_its_query_in_every_window():
 
 
 def test_keys_are_frequent_whole_words_and_never_marker_tokens(data_cache):
-    from posbench import data
+    from posbench.data import cache
 
-    corpus = data.prepare("shakespeare", 4096, cache_dir=str(data_cache), validation=["hamlet", "the-tempest"],
+    corpus = cache.prepare("shakespeare", 4096, cache_dir=str(data_cache), validation=["hamlet", "the-tempest"],
                           test=["macbeth", "twelfth-night"])
-    needle = passkey.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
+    needle = needles.make_needle(corpus.tokenizer_path, corpus.tokens["train"], " The pass key is", ".", 4, 100, "frequent")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(corpus.tokenizer_path))
@@ -249,7 +250,7 @@ def test_seeds_pair_by_window_and_other_probes_get_their_own_table(tmp_path):
 
 def test_validity_counts_windows_no_longer_than_L():
     """Failures at distance ≤ L inside windows longer than L do not make a row invalid; failures at T ≤ L do."""
-    from posbench.report import retrieval
+    from posbench.evaluation import retrieval
 
     def rec(setting, ok_short, ok_long):
         trials = [{"length": n, "depth": 0.5, "trial": i, "distance": 10, "correct": ok_short if n <= 32 else ok_long,

@@ -221,7 +221,7 @@ def test_alibi_score_mod_is_additive_and_takes_flex_scalars():
 @pytest.mark.parametrize("n_head", [4, 6])
 def test_alibi_bias_is_key_only_up_to_a_per_query_constant(n_head):
     """key_only_bias: bias(h, i, j) − bias(h, c, j) is the same for every key j (ahead of i too), for any c,
-    which is what lets the attention fold the key-only bias(h, c, j) into q and k (posbench/attention.py)."""
+    which is what lets the attention fold the key-only bias(h, c, j) into q and k (posbench/attention/dispatch.py)."""
     scheme = ALiBi(d_model=4 * n_head, n_head=n_head)
     assert scheme.has_bias and scheme.key_only_bias
     pos = torch.arange(40) * 3 + 5

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import refused, run_into, snapshot, train_here
-from posbench import config_checks
-from posbench.device import autocast_dtype, native_bf16_cpu
+from posbench.config import checks
+from posbench.runtime.device import autocast_dtype, native_bf16_cpu
 
 STEPS = ["train.steps=3", "eval.lengths=[32]", "eval.max_tokens=256"]
 
@@ -25,7 +25,7 @@ def test_auto_is_bf16_on_cuda_and_float32_on_cpu():
 
 
 def test_bf16_on_a_cpu_without_native_bfloat16_is_refused(posbench_here, data_cache, tmp_path, monkeypatch):
-    monkeypatch.setattr(config_checks, "native_bf16_cpu", lambda: False)
+    monkeypatch.setattr(checks, "native_bf16_cpu", lambda: False)
     run = tmp_path / "run"
     run.mkdir()
     before = snapshot(run)
@@ -52,7 +52,7 @@ def test_a_bias_scheme_under_cpu_bf16_autocast_scores_as_in_float32(name):
     """bf16 attention on CPU without gradients runs a kernel whose outputs are those of bf16 arithmetic: within 0.02
     of the float64 attention (ALiBi, T5, KERPLE at T = 128). torch 2.13's compiled CPU Flex returned outputs off by up
     to 2.4 in bf16, so CPU Flex is chosen in float32 only."""
-    from posbench import attention
+    from posbench.attention import dispatch
     from posbench.schemes import build_scheme
 
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_a_bias_scheme_under_cpu_bf16_autocast_scores_as_in_float32(name):
         scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + s.pair_bias(pos, pos, torch.float64)
         want = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v.double()
         with torch.autocast("cpu", torch.bfloat16):
-            ctx = attention.context(s, pos, H, torch.bfloat16)
-            got = attention.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), ctx)
+            ctx = dispatch.context(s, pos, H, torch.bfloat16)
+            got = dispatch.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), ctx)
     assert ctx.kernel != "flex"
     assert (got.double() - want).abs().max() < 0.02

@@ -12,7 +12,7 @@ import torch
 
 from helpers import compose_train as compose
 from helpers import refused, run_into, snapshot, train_here
-from posbench.model import GPT
+from posbench.model.gpt import GPT
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def given_positions(monkeypatch):
 
 
 def train_in_process(data_cache, tmp_path, *overrides):
-    from posbench import train_job
-    from posbench.train import train
+    from posbench.jobs import train_job
+    from posbench.training.loop import train
 
     job = train_job.prepare(compose(data_cache, "train.steps=3", "eval.lengths=[32]", "eval.max_tokens=64",
                                     "wandb.enabled=false", *overrides), tmp_path / "run")
@@ -93,7 +93,7 @@ def test_a_warning_when_m_is_below_the_longest_evaluation_length(M, warned, data
     """debug=fast evaluates at 32 and 64: positions past M are never trained on (the issue asks for a warning)."""
     import logging
 
-    from posbench.config import finalize
+    from posbench.config.schema import finalize
 
     with caplog.at_level(logging.WARNING, logger="posbench"):
         finalize(compose(data_cache, f"train.random_positions={M}"))

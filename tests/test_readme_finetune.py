@@ -17,9 +17,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import ok
-from posbench import lineage
-from posbench.config import EvalConfig
+from posbench.config.schema import EvalConfig
 from posbench.report import compare
+from posbench.training import lineage
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = ["train.steps=4", "eval.max_tokens=4096", "train.threads=1", "wandb.enabled=false"]  # after the README's: they win

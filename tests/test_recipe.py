@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from helpers import train_here
-from posbench.build import build_model, model_spec
-from posbench.config import PosbenchConfig, finalize
+from posbench.config.schema import PosbenchConfig, finalize
+from posbench.model.build import build_model, model_spec
 from posbench.schemes import SCHEMES, build_scheme
 
 ALL = sorted(SCHEMES)
@@ -190,7 +190,7 @@ def test_evaluation_lengths_do_not_change_the_trained_model(data_cache, tmp_path
 
 
 def _decayed_names(model) -> set[str]:
-    from posbench.optim import make_optimizer
+    from posbench.training.optim import make_optimizer
 
     opt = make_optimizer(model, OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}), fused=False)
     ids = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
@@ -206,7 +206,7 @@ def test_the_model_decays_its_matrices_and_nothing_else(name):
 
 
 def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
-    from posbench.model import GPT
+    from posbench.model.gpt import GPT
     from posbench.schemes import PositionalScheme
 
     class Table(PositionalScheme):  # a 2-D learned bias table: rank alone would have it decayed
@@ -224,7 +224,7 @@ def test_a_scheme_matrix_is_not_decayed_unless_the_scheme_says_so():
 
 def test_scheme_parameters_keep_the_initialisation_their_scheme_gives_them():
     """GPT's init (normal_ for matrices, zeros for names ending in 'bias') must not touch ``scheme.*``."""
-    from posbench.model import GPT
+    from posbench.model.gpt import GPT
     from posbench.schemes import PositionalScheme
 
     class Slopes(PositionalScheme):

@@ -85,8 +85,8 @@ def clip_runs(data_cache, tmp_path_factory) -> dict:
     of the gradients AdamW steps with, recorded by an optimizer pre-step hook."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from posbench import train as train_mod
-    from posbench import train_job
+    from posbench.jobs import train_job
+    from posbench.training import loop as train_mod
 
     stepped: list[float] = []
 
@@ -163,8 +163,8 @@ def test_changed_step_count_of_an_existing_run_is_refused(steps, posbench_here, 
 
 def test_resume_never_with_a_changed_step_count_starts_over(posbench_here, data_cache, existing_run, torch_state):
     """Not refused (the command line passes every check), and the job, trained here in process, starts over."""
-    from posbench import train as train_mod
-    from posbench import train_job
+    from posbench.jobs import train_job
+    from posbench.training import loop as train_mod
 
     proc = run_into(posbench_here, data_cache, existing_run, "train.steps=2", "resume=never")
     assert proc.returncode == 0 and "Hydra started the train job" in proc.stderr, proc.stdout + proc.stderr

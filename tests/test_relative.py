@@ -30,10 +30,12 @@ import torch
 from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
-import posbench.attention as attention
 from helpers import paper_bias, t5_bucket_by_hand
-from posbench import build, cli
-from posbench.config import ConfigError, finalize, to_dict
+from posbench import cli
+from posbench.attention import dispatch as attention
+from posbench.config.checks import ConfigError
+from posbench.config.schema import finalize, to_dict
+from posbench.model import build
 from posbench.schemes import SCHEMES, build_scheme
 
 NAMES = ["t5", "kerple_log", "kerple_power", "sandwich", "fire"]

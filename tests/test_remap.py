@@ -1,4 +1,4 @@
-"""Training-free extension at evaluation (``eval.remap``, posbench/remap.py; issue 37 item 1) against the reference
+"""Training-free extension at evaluation (``eval.remap``, posbench/attention/remap.py; issue 37 item 1) against the reference
 algorithms transcribed here, one (query, key) pair at a time:
 
 * StreamingLLM: the KV cache simulated token by token (mit-han-lab/streaming-llm ``StartRecentKVCache``: before
@@ -26,8 +26,8 @@ import torch
 from torch.testing import assert_close
 
 from helpers import eval_here, refused, snapshot
-from posbench import remap
-from posbench.remap import Remap
+from posbench.attention import remap
+from posbench.attention.remap import Remap
 from posbench.schemes import build_scheme
 
 L, H, DH = 16, 2, 8
@@ -277,7 +277,7 @@ def test_nope_and_an_absolute_scheme_keep_only_the_mask(method, kernel, monkeypa
 def test_a_model_with_a_remap_that_hides_nothing_is_the_model():
     """Through the model, every layer's attention remapped: a method whose windows cover the whole evaluation window
     gives the model's own logits; one that acts does not."""
-    from posbench.build import build_model
+    from posbench.model.build import build_model
 
     torch.manual_seed(0)
     model = build_model({"vocab_size": 50, "model": {"n_layer": 2, "n_head": H, "d_model": H * DH, "d_ff": 32},
@@ -341,8 +341,8 @@ def test_settings_that_would_change_nothing_are_refused(method, options, message
 def test_a_remap_a_scheme_cannot_take_is_refused(scheme, method, message):
     from omegaconf import OmegaConf
 
-    from posbench.config import EvalConfig, ModelConfig
-    from posbench.config_checks import ConfigError, remap_values
+    from posbench.config.checks import ConfigError, remap_values
+    from posbench.config.schema import EvalConfig, ModelConfig
 
     e = OmegaConf.merge(OmegaConf.structured(EvalConfig), {"remap": method, "lengths": [16, 64]})
     with pytest.raises(ConfigError, match=message):

@@ -18,12 +18,12 @@ import pytest
 import scipy.stats
 from omegaconf import OmegaConf
 
-from posbench import config as schema
-from posbench.evaluate import position_bins, windows
+from posbench.config import schema as schema
+from posbench.config.upgrade import upgrade
+from posbench.evaluation.perplexity import position_bins, windows
+from posbench.evaluation.results import FORMAT, new_eval_stem, record, write_results
 from posbench.report import compare, render
-from posbench.results import FORMAT, new_eval_stem, record, write_results
 from posbench.schemes import variant_label
-from posbench.upgrade import upgrade
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
 LENGTHS = [32, 64, 128]
@@ -280,7 +280,7 @@ def test_report_on_nothing_fails_with_one_line(tmp_path, what):
 
 def test_failed_run_is_skipped_as_failed_not_broken(sweep):
     """A run stopped by a non-finite loss writes results.json with status "failed" and no rows
-    (posbench/train.py); the report should say it failed (and why), not call its file broken."""
+    (posbench/training/loop.py); the report should say it failed (and why), not call its file broken."""
     failed = sweep / "9_rope_seed5"
     write_run(failed, config("rope", 5), results=False)
     message = "non-finite loss at step 3; the last good checkpoint is kept"

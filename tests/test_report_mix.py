@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from posbench.report import compare, render, stats
+from posbench.evaluation import stats
+from posbench.report import compare, render
 from test_report import config, legend_rows, md_tables, ok, posbench, report_csv, table_rows, window_rows, write_run
 
 MIX = Path(__file__).parent / "fixtures" / "report_mix"

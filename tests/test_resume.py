@@ -2,7 +2,7 @@
 
 Every CLI run is ``python -m posbench train debug=fast ...`` (L=32, batch 4) in its own run folder,
 with the session's data cache (conftest's ``data_cache``: prepared once, in process, so the concurrent runs below
-find it ready). In-process tests compose the config with Hydra's compose API and call ``posbench.train.train``
+find it ready). In-process tests compose the config with Hydra's compose API and call ``posbench.training.loop.train``
 directly; refusals other than one through a real process go through the CLI's ``main`` in this process (conftest's
 ``posbench_here``).
 """
@@ -25,8 +25,10 @@ import torch
 # (rows, steps_of and valid_states are also imported from here by tests/test_init_from.py, with cli, start, wait_until)
 from helpers import cli_env, ctrl_c_as_in_a_terminal, file_states, rows, steps_of, valid_states
 from helpers import compose_train as compose
-from posbench import build, checkpoint, train_job, training_state
-from posbench import train as train_mod
+from posbench.jobs import train_job
+from posbench.model import build
+from posbench.training import checkpoint, states
+from posbench.training import loop as train_mod
 
 TIMEOUT = 300  # seconds: a CLI run that takes longer is a hang
 EVAL = ["eval.lengths=[32,64]", "eval.max_tokens=256"]
@@ -161,7 +163,7 @@ def test_torn_last_metrics_row_does_not_stop_a_resume(tmp_path):
     """A crash mid-write (power loss, full disk) can leave half a row at the end of metrics.jsonl."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)) + '{"step": 11, "lo')
-    f, logged = training_state.metrics_file(tmp_path, 8)
+    f, logged = states.metrics_file(tmp_path, 8)
     f.close()
     assert steps_of(tmp_path) == list(range(1, 9))
     assert logged == 10  # steps 9 and 10 reached wandb before the crash: not sent again
@@ -470,8 +472,9 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatc
 def test_a_different_world_size_is_refused(cache, tmp_path):
     """A state trained by 2 torchrun ranks does not resume in 1 process: the global batch, its contents and the
     effective learning rate would change mid-run. Refused, naming both; the same world size resumes."""
-    from posbench.config import ConfigError, finalize, to_dict
-    from posbench.training_state import resume_state
+    from posbench.config.checks import ConfigError
+    from posbench.config.schema import finalize, to_dict
+    from posbench.training.states import resume_state
 
     cfg = finalize(compose(cache))
     state = {"format": checkpoint.FORMAT, "step": 4, "model": {"w": torch.zeros(2)}, "config": to_dict(cfg), "world_size": 2}
@@ -485,7 +488,7 @@ def test_a_different_world_size_is_refused(cache, tmp_path):
 @pytest.fixture
 def usr2_at_step_3(monkeypatch):
     """SIGUSR2 sent to this process while step 3 runs (as SLURM's --signal=USR2@… would)."""
-    from posbench import train as train_module
+    from posbench.training import loop as train_module
 
     real = train_module.lr_factor
 
@@ -498,9 +501,9 @@ def usr2_at_step_3(monkeypatch):
 
 
 def _train_in_process(cache, run):
-    from posbench.config import finalize
-    from posbench.train import train
-    from posbench.train_job import prepare
+    from posbench.config.schema import finalize
+    from posbench.jobs.train_job import prepare
+    from posbench.training.loop import train
 
     cfg = finalize(compose(cache, "train.steps=8", "wandb.enabled=false", "train.threads=1"))
     run.mkdir()
@@ -508,7 +511,7 @@ def _train_in_process(cache, run):
 
 
 def test_sigusr2_saves_a_checkpoint_then_exits_75(cache, tmp_path, usr2_at_step_3, torch_state):
-    from posbench.train import Preempted
+    from posbench.training.loop import Preempted
 
     previous = signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # a plain run: no handler before posbench's
     try:
@@ -575,7 +578,7 @@ def test_a_second_ctrl_c_quits_at_once_and_says_what_a_rerun_resumes_from(cache,
 
 def test_an_interrupted_checkpoint_write_leaves_no_file_behind(tmp_path, monkeypatch):
     """A KeyboardInterrupt while torch.save writes (a second Ctrl-C during the save) removes the temporary file."""
-    from posbench import checkpoint
+    from posbench.training import checkpoint
 
     def interrupted(obj, f, *args, **kwargs):
         f.write(b"x" * 1000)
@@ -590,7 +593,7 @@ def test_an_interrupted_checkpoint_write_leaves_no_file_behind(tmp_path, monkeyp
 def test_a_checkpoint_whose_checksum_is_written_is_kept_when_interrupted(tmp_path, monkeypatch):
     """A Ctrl-C between the checksum's rename and the state's leaves the (whole, fsynced) state in place, so the
     checksum matches the file it names."""
-    from posbench import checkpoint
+    from posbench.training import checkpoint
 
     real, calls = os.replace, []
 
@@ -610,7 +613,7 @@ def test_a_checkpoint_whose_checksum_is_written_is_kept_when_interrupted(tmp_pat
 
 
 def test_the_second_ctrl_c_of_a_resume_never_run_says_how_to_resume():
-    from posbench.signals import Interrupted
+    from posbench.runtime.signals import Interrupted
 
     assert Interrupted("out/run", 8, "never").advice() == (
         "; its training state saved at step 8 is resumed when you run it again in the same folder "

@@ -24,7 +24,7 @@ import torch
 from torch.testing import assert_close
 
 from helpers import rope_tables, yarn_frequencies
-from posbench.build import build_model
+from posbench.model.build import build_model
 from posbench.schemes import build_scheme
 from posbench.schemes.rotary import RoPE
 

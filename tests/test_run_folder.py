@@ -1,5 +1,5 @@
 """What a run folder holds up against: a lone training state that is corrupt, a run started over in it
-(``resume=never``), a second process that wants it while a run holds it (posbench/runlock.py), a folder that cannot
+(``resume=never``), a second process that wants it while a run holds it (posbench/runtime/runlock.py), a folder that cannot
 be written, and a save interrupted half-way.
 
 A refusal keeps the contract of test_refusals.py (helpers.refused): exit status 2, stderr one line
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI_TIMEOUT_S, cli_env, refused, run_into, snapshot, train_here
-from posbench import runlock
+from posbench.runtime import runlock
 
 # ---- 2. a run folder whose only training state is corrupt -----------------------------------------------------
 
@@ -163,7 +163,7 @@ def test_an_interrupted_save_leaves_no_state_that_reads_as_corrupt(at, tmp_path,
     """A second Ctrl-C (or kill -9) between the state's rename and its checksum's used to leave a file without a
     checksum: a lone state that stops the next run. The checksum is written first now: whichever rename is
     interrupted, the new state is either whole or absent."""
-    from posbench import checkpoint
+    from posbench.training import checkpoint
 
     checkpoint.save_state(tmp_path, {"step": 4, "config": {}}, keep=2)
     real = os.replace

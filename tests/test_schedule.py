@@ -9,7 +9,7 @@ import math
 import pytest
 
 from helpers import refused, run_into, snapshot, train_here
-from posbench.optim import lr_factor
+from posbench.training.optim import lr_factor
 
 LR, MIN_LR = 2e-3, 2e-4  # the defaults
 

@@ -17,12 +17,16 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from posbench import build, checkpoint, cli, config
-from posbench.config import ConfigError, finalize, to_dict
-from posbench.evaluate import evaluate
+from posbench import cli
+from posbench.config import schema
+from posbench.config.checks import ConfigError
+from posbench.config.schema import finalize, to_dict
+from posbench.config.upgrade import upgrade
+from posbench.evaluation.perplexity import evaluate
+from posbench.model import build
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 from posbench.schemes.absolute import Learned
-from posbench.upgrade import upgrade
+from posbench.training import checkpoint
 
 VOCAB, H, D, T = 53, 2, 16, 24
 
@@ -235,8 +239,8 @@ def test_a_record_from_before_attn_dropout_reads_its_dropout(tmp_path):
     """Before model.attn_dropout, model.dropout dropped the attention probabilities too: a checkpoint, training state
     or results record without the key reads attn_dropout = dropout, so the rebuilt model, and a resumed run, is the
     one trained (resuming it with today's default, 0, is a changed key); a record with the key keeps its own."""
-    from posbench.training_state import changed_keys
-    from posbench.upgrade import model_section
+    from posbench.config.upgrade import model_section
+    from posbench.training.states import changed_keys
 
     model = {"n_layer": 1, "n_head": H, "d_model": D, "d_ff": 2 * D, "dropout": 0.1}
     config = {"scheme": {"name": "alibi"}, "model": model, "train": {"seq_len": 8}}
@@ -314,7 +318,7 @@ def test_scheme_schemas_pickle():
     import pickle
 
     for name in ("rope", "learned"):
-        schema = config.scheme_schema(name)
-        node = OmegaConf.structured(schema)
-        assert pickle.loads(pickle.dumps(schema)) is schema
+        made = schema.scheme_schema(name)
+        node = OmegaConf.structured(made)
+        assert pickle.loads(pickle.dumps(made)) is made
         assert OmegaConf.to_container(pickle.loads(pickle.dumps(node))) == OmegaConf.to_container(node)

@@ -1,4 +1,4 @@
-"""posbench/signals.py: the exit statuses of a stopped run, and StopSignals, which notes a stop signal for the
+"""posbench/runtime/signals.py: the exit statuses of a stopped run, and StopSignals, which notes a stop signal for the
 training loop (a second Ctrl-C quits at once) and warns when the step it waits for runs long.
 
 Ctrl-C and SIGTERM through a real process, with a bit-identical resume, are in test_resume.py.
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from posbench.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, exit_status
+from posbench.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, exit_status
 
 
 def test_exit_status_is_130_for_ctrl_c_and_75_for_a_schedulers_stop():

@@ -41,7 +41,7 @@ import pytest
 submitit = pytest.importorskip("submitit")
 
 from helpers import cli_env  # noqa: E402
-from posbench import checkpoint  # noqa: E402
+from posbench.training import checkpoint  # noqa: E402
 
 TIMEOUT = 300  # seconds: a job or CLI run that takes longer is a hang
 STEPS = 40
@@ -182,8 +182,8 @@ def test_sigusr2_under_submitit_checkpoints_requeues_and_resumes_bit_identically
     assert handled["states"] == [stopped], handled  # checkpoint_every=0: the only state is the signal's
     caller = handled["caller"]
     assert handled["handler_found"] and caller and caller["function"] == "hand_off", handled  # (train's hand-off)
-    assert Path(caller["file"]).parts[-2:] == ("posbench", "train.py"), caller
-    print(f"\nsignal handled after step {stopped}; submitit's handler called from posbench/train.py: {caller['line']}")
+    assert Path(caller["file"]).parts[-3:] == ("posbench", "training", "loop.py"), caller
+    print(f"\nsignal handled after step {stopped}; submitit's handler called from posbench/training/loop.py: {caller['line']}")
 
     # 2. submitit's log: the signal caught, the checkpoint method called, the task requeued (exit 144, restart);
     #    the requeued task resumed from that checkpoint

@@ -1,4 +1,4 @@
-"""Zero-shot attention temperatures (posbench/temperature.py; issue 37 item 2): ``model.attn_scale=floor_log``
+"""Zero-shot attention temperatures (posbench/attention/temperature.py; issue 37 item 2): ``model.attn_scale=floor_log``
 (Ministral 3), ``floor_log_n`` (Llama 4) and ``log_n_clipped`` (ReRoPE, Self-Extend), exactly 1 within the train
 length L, so that ``posbench eval`` applies them to a run trained without them.
 
@@ -21,8 +21,8 @@ from torch.testing import assert_close
 
 from helpers import eval_here, refused, run_into, snapshot
 from naive_gpt import naive_logits
-from posbench.build import build_model
-from posbench.temperature import ZERO_SHOT, default_length, factor
+from posbench.attention.temperature import ZERO_SHOT, default_length, factor
+from posbench.model.build import build_model
 
 VOCAB, H, D, L = 61, 4, 32, 16
 BETA = 0.1

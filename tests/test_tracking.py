@@ -182,7 +182,7 @@ def test_a_rerun_in_the_same_folder_continues_the_same_wandb_run(tmp_path, cache
 def test_a_resumed_run_sends_each_training_step_to_wandb_once(tmp_path, cache):
     """A run killed after step 8 with its last checkpoint at step 4 (simulated: the step-8 state deleted) resumes
     from 4; steps 5…8, which wandb already has from before the kill, are not logged a second time."""
-    from posbench import checkpoint
+    from posbench.training import checkpoint
 
     run = tmp_path / "run"
     args = ("train", "debug=fast", "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={run}",

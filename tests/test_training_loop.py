@@ -1,4 +1,4 @@
-"""The training loop's machinery (posbench/optim.py, posbench/train.py): ``train.compile`` falls back to eager only
+"""The training loop's machinery (posbench/training/optim.py and loop.py): ``train.compile`` falls back to eager only
 when the first compiled call fails, never silently later; and syncing with the host every k steps
 (``train.sync_every``) changes no number.
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import compose_train
-from posbench import optim, train, train_job
+from posbench.jobs import train_job
+from posbench.training import loop, optim
 
 
 class Boom(torch.autograd.Function):
@@ -80,7 +81,7 @@ def test_syncing_every_4_steps_logs_the_numbers_of_syncing_every_step(tmp_path, 
                             f"train.sync_every={k}", "eval.lengths=[32]", "eval.max_tokens=64")
         run = tmp_path / f"sync{k}"
         run.mkdir()
-        train.train(train_job.prepare(cfg, run))
+        loop.train(train_job.prepare(cfg, run))
         rows[k] = [{key: v for key, v in json.loads(line).items() if key != "tokens_per_s"}
                    for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[4]] == [1, 2, 3, 4, 5, 6]

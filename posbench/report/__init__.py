@@ -1,10 +1,10 @@
-"""The report tier: many runs' records collected and compared (compare), their differences tested (stats), the
-passkey probe's trials across runs (retrieval), and the report rendered as files (render, plots).
+"""``posbench report``: many runs' records collected and compared (compare), the report rendered as files (render) and
+its plots drawn from data handed to them (plots). The significance tests and the probes' cells it uses live in
+posbench/evaluation/ (stats, retrieval, context).
 
     from posbench.report import render
     text, rows, images = render.write_report([Path("multirun/2026-11-21/10-00-00")], out=Path("rep"))
 
-It reads records (results.json, eval-*.json) and never a model: nothing here runs a forward pass. Records of older
-formats are read through posbench/upgrade.py, which needs the schemes' typed configs. This file imports nothing, so
-importing one module of the tier loads that module alone.
+It reads records (results.json, eval-*.json) and never a model: nothing here runs a forward pass. Imports the
+evaluation and config wings (records of older formats: posbench/config/upgrade.py). Start with render.py.
 """

@@ -2,11 +2,11 @@
 cells it shows (docs/design.md §8). posbench/report/render.py renders what this module computes.
 
 * :func:`collect` — every usable record under some folders (``results.json`` and ``eval-*.json``, written by
-  posbench/results.py), each skipped one with its reason, and its row: the full ``setting``, a short ``label`` and
+  posbench/evaluation/results.py), each skipped one with its reason, and its row: the full ``setting``, a short ``label`` and
   the settings that tell rows apart (``differs``);
 * :func:`settings` — how the records' configs differ: the keys that label rows, the settings held fixed;
 * :func:`fold` — one row per (table, setting, evaluation length): exp(mean NLL over seeds) ± std over seeds, the
-  best cell of each column and the significance test against it (posbench/report/stats.py);
+  best cell of each column and the significance test against it (posbench/evaluation/stats.py);
 * :func:`ppl_series`, :func:`position_curves` and :func:`labels` — what the report's plots and wandb draw.
 """
 
@@ -17,12 +17,12 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from posbench.config_checks import NEEDLE_FORMAT
-from posbench.report import stats
-from posbench.results import READABLE, SUPERSEDED, run_label, temperature_label
+from posbench.attention.temperature import ZERO_SHOT
+from posbench.config.checks import NEEDLE_FORMAT
+from posbench.config.upgrade import upgrade
+from posbench.evaluation import stats
+from posbench.evaluation.results import READABLE, SUPERSEDED, run_label, temperature_label
 from posbench.schemes import variant_label
-from posbench.temperature import ZERO_SHOT
-from posbench.upgrade import upgrade
 
 IGNORED = ("seed", "eval.", "data.cache_dir", "data.num_proc", "train.device", "train.threads", "train.log_every",
            "train.checkpoint_every", "train.keep_checkpoints", "train.check_memory", "resume", "wandb.")  # never change a result
@@ -94,7 +94,7 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
 
 def origin_length(rec: dict) -> int:
     """The train length L a record is compared at: its own, or, for a run started from a parent's weights, the L of
-    the first run of its line (``lineage.origin_length``: posbench/lineage.py), so that a RoPE run fine-tuned at 4L
+    the first run of its line (``lineage.origin_length``: posbench/training/lineage.py), so that a RoPE run fine-tuned at 4L
     is reported beside its parent and the parent's other fine-tunes."""
     return (rec.get("lineage") or {}).get("origin_length", rec["train_length"])
 
@@ -119,7 +119,7 @@ def _mark_reevaluations(run: list[dict]) -> None:
 
 
 def label_of(rec: dict) -> str:
-    """A record's run label (:func:`posbench.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``,
+    """A record's run label (:func:`posbench.evaluation.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``,
     ``rope@rerope(w16)``); a re-evaluation with other scheme options or a temperature (``applied``:
     :func:`_mark_reevaluations`) names the run it was applied to, with its remap: ``rope (yarn×4 at eval)``,
     ``rope@rerope(w16) (log_n_clipped at eval)``."""
@@ -330,7 +330,7 @@ def fold(records: list[dict]) -> list[dict]:
     """Long-format rows, one per (table, setting, length): tables in :func:`_preference` order, settings in row order.
     Each row: ``table``, ``setting``, ``label`` and ``differs`` (:func:`_dedupe`), the evaluation settings, ``length``,
     its run's training (:func:`_budget`: ``train_length``, ``origin_length``, ``method``, tokens), and
-    :func:`posbench.report.stats.summary` and :func:`posbench.report.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
+    :func:`posbench.evaluation.stats.summary` and :func:`posbench.evaluation.stats.rank` of its seeds: ``ppl`` = exp(mean NLL
     over seeds) (perplexity), ``ppl_std`` (std over seeds of the per-seed perplexity), ``nll_mean``/``nll_std``
     (nats/token), ``seeds``, ``best`` and the test against the best row of its table at that length
     (``reference``/``reference_label``: that row's setting and label; ``test``: welch | bootstrap | n/a | best,

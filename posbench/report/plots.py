@@ -1,4 +1,4 @@
-"""The report's plots, drawn from what they are given (posbench/report/compare.py and posbench/report/retrieval.py compute it,
+"""The report's plots, drawn from what they are given (posbench/report/compare.py and posbench/evaluation/retrieval.py compute it,
 posbench/report/render.py calls the functions here):
 
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands, a

@@ -17,9 +17,9 @@ import json
 import logging
 from pathlib import Path
 
-from posbench import context
-from posbench.report import compare, plots, retrieval, stats
-from posbench.results import split_text
+from posbench.evaluation import context, retrieval, stats
+from posbench.evaluation.results import split_text
+from posbench.report import compare, plots
 
 log = logging.getLogger("posbench")
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
@@ -45,7 +45,7 @@ def _mark(r: dict) -> str:
 
 
 def puzzles(column: list[dict]) -> list[dict]:
-    """The cells of one column (:func:`posbench.report.stats.rank`-ed) whose verdicts their printed numbers do not tell: each
+    """The cells of one column (:func:`posbench.evaluation.stats.rank`-ed) whose verdicts their printed numbers do not tell: each
     significantly worse cell that prints no higher than the reference or a tested ★ cell (equal numbers, or an order
     the stars reverse), and those tested ★ cells; in row order."""
     def shown(c):
@@ -63,7 +63,7 @@ def _footnote(mark: str, number: str | None) -> str:
 
 def _footnotes(sub: list[dict]) -> tuple[dict[tuple[str, int], str], list[str]]:
     """{(setting, length): superscript number} of one table's :func:`puzzles`, and their footnotes: each cell's
-    verdict against its column's reference, with the test and its statistic (posbench/report/stats.py ``reason``)."""
+    verdict against its column's reference, with the test and its statistic (posbench/evaluation/stats.py ``reason``)."""
     odd = {id(c) for n in sorted({r["length"] for r in sub}) for c in puzzles([r for r in sub if r["length"] == n])}
     marks, lines = {}, []
     for c in (r for r in sub if id(r) in odd):
@@ -139,7 +139,7 @@ PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci
 
 
 def passkey_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
-    """The passkey probe's tables (posbench/report/retrieval.py), one per probe: rows × probe lengths, cells exact-match
+    """The passkey probe's tables (posbench/evaluation/retrieval.py), one per probe: rows × probe lengths, cells exact-match
     accuracy with its Wilson 95% interval and ★ (the column's best ranked row, or not significantly worse by the
     paired test) or † (untested), the accuracy within L and the mean gain at the longest length; a row below the
     threshold within L is marked and not ranked past L. ``names``: {setting: a perplexity row (``label``,
@@ -202,7 +202,7 @@ def _nats(x: float) -> str:
 
 
 def context_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
-    """The context-use probe's tables (posbench/context.py ``cells``), one per probe (split, L, stride): rows ×
+    """The context-use probe's tables (posbench/evaluation/context.py ``cells``), one per probe (split, L, stride): rows ×
     evaluation lengths, cells the mean NLL difference past L with its bootstrap 95% interval, nats/token.
     ``names``: as :func:`passkey_tables`'s."""
     out = []

@@ -16,6 +16,9 @@ scheme.<option>=<value>``), the model builder, checkpoints, sweeps (``experiment
 
     from posbench.schemes import SCHEMES, build_scheme
     rope = build_scheme("rope", d_model=128, n_head=4, base=10000.0)
+
+The wing imports nothing of posbench outside it: attention, the model and the config read schemes through this
+interface. Start with base.py.
 """
 
 from __future__ import annotations

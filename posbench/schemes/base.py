@@ -15,7 +15,7 @@ Every scheme is a :class:`PositionalScheme` that overrides one kind of hook (doc
 
 Positions are explicit absolute token indices, so an evaluator may shift or scale them. The model never probes a
 hook to learn what a scheme does: the class attributes ``has_bias``, ``key_only_bias`` and ``contextual`` say it,
-and posbench/attention.py picks the attention kernel from them. A scheme's hyperparameters are a nested dataclass
+and posbench/attention/dispatch.py picks the attention kernel from them. A scheme's hyperparameters are a nested dataclass
 ``Config``: ``resolve(seq_len, longest)`` fills its derived defaults (``fill``) and checks its values
 (``check``), once, where the run's config is made; the scheme's constructor takes the config as it is given.
 
@@ -56,7 +56,7 @@ class PositionalScheme(nn.Module):
     build any of them; ``config`` is an instance of the scheme's own ``Config`` (None: its defaults), kept as
     ``self.config`` and trusted as given: it is checked where it is made (``Config.resolve`` or ``check``).
 
-    Class attributes (what the attention kernel is chosen from; posbench/attention.py):
+    Class attributes (what the attention kernel is chosen from; posbench/attention/dispatch.py):
         has_bias: ``score_mod`` adds a bias to the attention scores. False: causal attention is all there
             is, and the fastest causal kernel runs.
         contextual: ``contextual_bias`` adds a bias that depends on the content (the queries and their scores), not
@@ -84,11 +84,11 @@ class PositionalScheme(nn.Module):
             (T5 past ``max_distance``): CPU evaluation then attends to those keys without a bias and adds the
             head's constant to their log-sum-exp (the ``banded`` kernel). False here.
         rotary: ``rotation`` and ``rotate`` turn queries and keys by their positions (RoPE, p-RoPE, xPos): an
-            evaluation that remaps positions per (query, key) pair (posbench/remap.py) turns them once per region.
+            evaluation that remaps positions per (query, key) pair (posbench/attention/remap.py) turns them once per region.
             False here.
         weight_decay: AdamW decays this scheme's parameters (a decision per scheme, not by tensor rank).
         fine_tune_options: the options a run started from this scheme's trained weights (``init_from``,
-            posbench/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
+            posbench/training/lineage.py) may set to other values than the parent's: none here; RoPE's context-extension
             options; the learned table's size. Any other difference is refused.
 
     Args:
@@ -165,7 +165,7 @@ class PositionalScheme(nn.Module):
 
     def adopt(self, trained: dict[str, torch.Tensor], rows: str, trained_length: int, new_length: int) -> None:
         """Take a parent's trained scheme tensors (its ``state_dict``, keys without ``scheme.``) into this scheme,
-        built with the new run's options: a run started from another run's weights (posbench/lineage.py). Here they
+        built with the new run's options: a run started from another run's weights (posbench/training/lineage.py). Here they
         must fit exactly; a scheme whose tensors may change shape (the learned table) overrides this.
 
         Args:
@@ -190,7 +190,7 @@ class PositionalScheme(nn.Module):
         return x
 
     def rotation(self, pos: torch.Tensor, dtype: torch.dtype, centre: float | None = None) -> object:
-        """pos: (T,) int64 (or float64: remapped positions, posbench/remap.py) → whatever :meth:`rotate` needs for
+        """pos: (T,) int64 (or float64: remapped positions, posbench/attention/remap.py) → whatever :meth:`rotate` needs for
         these positions (RoPE: cos and sin tables), computed once per forward pass and shared by every layer; None
         for a scheme that does not rotate. ``dtype`` is the activations' dtype (float32, or float64 in a reference
         computation). ``centre``: where a scheme that scales by position (xPos) centres its scales, None: the middle
@@ -240,7 +240,7 @@ class PositionalScheme(nn.Module):
         q: (B, H, Q, Dh) the block's queries (rotated where the scheme rotates); scores: (B, H, Q, K) their q·k/√Dh
         against keys 0…K−1 of the window, −inf where the key comes after the query (by index), in float32 or float64
         (a 16-bit q's scores are widened) → (B, H, Q, K) bias, finite where the score is. The ``contextual`` kernel
-        (posbench/attention.py) calls it, once per block and layer, with ``contextual = True``; it owns the blocks,
+        (posbench/attention/dispatch.py) calls it, once per block and layer, with ``contextual = True``; it owns the blocks,
         the mask, the softmax, dropout and the product with v. Gradients flow to q, to the scores (so to the keys)
         and to the scheme's parameters."""
         return torch.zeros_like(scores)

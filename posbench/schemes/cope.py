@@ -2,7 +2,7 @@
 registered as ``cope``.
 
 A query counts the keys between itself and a key with gates σ(q·k), so a key's position depends on the content
-between them: not a pointwise ``score_mod``. CoPE sets ``contextual = True``, and posbench/attention.py runs it
+between them: not a pointwise ``score_mod``. CoPE sets ``contextual = True``, and posbench/attention/dispatch.py runs it
 through its ``contextual`` kernel, which hands each block of queries and its masked scores to
 :meth:`CoPE.contextual_bias` and does the rest (softmax, dropout, · v). It reads no absolute positions.
 
@@ -50,7 +50,7 @@ class CoPE(PositionalScheme):
     * Adam without weight decay by default, so the table is not decayed (``weight_decay = False``).
 
     Cost: the gates and their sums are per query and key, so every (query, key) pair of every layer is
-    materialised (in blocks of queries, posbench/attention.py ``CONTEXT_ELEMENTS``), and training keeps several
+    materialised (in blocks of queries, posbench/attention/dispatch.py ``CONTEXT_ELEMENTS``), and training keeps several
     values per pair for backward: CoPE runs as dense attention does, never through a fused kernel.
     """
 

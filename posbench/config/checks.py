@@ -1,0 +1,441 @@
+"""The value checks of a composed config: one checker per section, run in order by ``posbench.config.schema.finalize``.
+
+Closed choices (``train.schedule``, ``eval.protocol``, ``eval.probes``, …) are declared once, on their schema field
+(``field(metadata={"choices": ...})``: posbench/config/schema.py), and :func:`check_choices` checks them all in one loop,
+so a new choice is one tuple, not one more hand-written check. Every other value has its section's checker:
+
+    check_keys(cfg, PosbenchConfig());  check_choices(cfg, PosbenchConfig)
+    run_values(cfg); train_values(cfg.train, cfg.init_from, training); data_values(cfg.data)
+    model_values(cfg.model, L); eval_values(cfg.eval, L, needles); training_positions(cfg.train, schemes, cfg.eval)
+    layers(cfg.model, cfg.scheme.name, L, longest)  # after the scheme's options are resolved
+
+Each raises :class:`ConfigError`, one line naming the value and what is allowed; some fill a derived default in
+place (``eval.lengths``, ``model.scale_length``, ``train.compile``), as their docstrings say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from posbench.attention import remap
+from posbench.attention.temperature import BETA, ZERO_SHOT, default_length, first_scaled
+from posbench.attention.windows import expand_pattern
+from posbench.data.needles import KEYS
+from posbench.evaluation import context, passkey
+from posbench.runtime.device import native_bf16_cpu, resolve_device
+from posbench.schemes import SCHEMES, PositionalScheme
+
+log = logging.getLogger("posbench")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the CLI prints its message as one line and exits with status 2."""
+
+
+def choices(*options: str, **kwargs) -> dataclasses.Field:
+    """A schema field whose value (or, for a list, each item) must be one of ``options``; the first is the
+    default of a plain field (pass ``default_factory=list`` for a list)."""
+    if "default_factory" not in kwargs:
+        kwargs.setdefault("default", options[0])
+    return dataclasses.field(metadata={"choices": tuple(options)}, **kwargs)
+
+
+def positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be a positive integer")
+
+
+def check_keys(node: DictConfig, known, prefix: str = "", shown_by: str = "posbench train --cfg job") -> None:
+    """Reject keys the schema instance ``known`` lacks (Hydra's ``+key=value`` lifts struct mode, so composition
+    alone lets them in); the error names the command that shows the keys, ``shown_by``."""
+    for key in node:
+        if not hasattr(known, key):
+            raise ConfigError(f"unknown config key {prefix + key!r}; see the keys with: {shown_by}")
+        if dataclasses.is_dataclass(getattr(known, key)):
+            check_keys(node[key], getattr(known, key), f"{prefix}{key}.", shown_by)
+
+
+def check_choices(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Check every field of the dataclass ``schema`` that declares ``choices`` (:func:`choices`), in its
+    sections too: ``train.schedule='cosin'`` → "train.schedule='cosin' is unknown; choose one of: cosine,
+    constant"; a list field is checked item by item ("eval.probes has 'contxt'; the probes: passkey, context")."""
+    for f in dataclasses.fields(schema):
+        value = node.get(f.name) if isinstance(node, DictConfig) else None
+        key, allowed = prefix + f.name, f.metadata.get("choices")
+        if allowed and isinstance(value, (list, ListConfig)):
+            for item in value:
+                if item not in allowed:
+                    raise ConfigError(f"{key} has {item!r}; the {f.name}: {', '.join(allowed)}")
+        elif allowed and value is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r} is unknown; choose one of: {', '.join(allowed)}")
+        elif isinstance(value, DictConfig) and dataclasses.is_dataclass(f.default_factory):
+            check_choices(value, f.default_factory, f"{key}.")
+
+
+def check_device(key: str, name: str) -> None:
+    """Raise ConfigError for a device other than auto / cpu / cuda[:n], or CUDA on a machine without it."""
+    if name != "auto" and name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"{key}={name!r} is unknown; choose auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={name!r} but no CUDA device is available; use {key}=cpu or auto")
+
+
+def compile_default(setting: bool | None, device: str) -> bool:
+    """``train.compile`` as a run on ``device`` (a checked ``train.device``: auto, cpu, cuda[:n]) uses it: the
+    ``setting`` when given, else (None) True where the device is CUDA and False on the CPU."""
+    return setting if setting is not None else resolve_device(device).type == "cuda"
+
+
+def longest_length(e: DictConfig) -> int:
+    """The longest window an evaluation config scores: its longest evaluation length, or probe length when it
+    probes (``eval.probes``)."""
+    return max([*e.lengths, *(e.passkey.lengths if "passkey" in e.probes and e.passkey.lengths else [])])
+
+
+# ---- the sections ------------------------------------------------------------------------------------------
+
+
+def run_values(cfg: DictConfig) -> None:
+    """The run's own keys: ``seed``, the scheme's name, and ``init_rows`` without ``init_from``."""
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} is not allowed: it must be an integer >= 0")
+    if cfg.scheme.name not in SCHEMES:
+        raise ConfigError(f"unknown scheme {cfg.scheme.name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    if cfg.init_rows != "scheme" and cfg.init_from is None:
+        raise ConfigError(f"init_rows={cfg.init_rows} applies to a run started from a parent: add init_from=<run folder>")
+
+
+def train_values(t: DictConfig, init_from: str | None, training: bool) -> None:
+    """``train.*``: sizes, steps (0 only with ``init_from``), the optimizer's values, checkpoints, and, when
+    ``training`` (a training job, not a re-evaluation of a recorded config), the device (``train.compile`` filled:
+    :func:`compile_default`) and a warning when the warmup takes every step."""
+    for key in ("seq_len", "batch_size", "log_every"):
+        positive(f"train.{key}", t[key])
+    if t.steps == 0 and init_from is None:
+        raise ConfigError("train.steps=0 needs init_from=<run folder> (0 steps: a parent's weights evaluated as they "
+                          "are); a run from scratch needs a positive train.steps")
+    if t.steps != 0:
+        positive("train.steps", t.steps)
+    _optimizer_values(t)
+    if t.sync_every is not None:
+        positive("train.sync_every", t.sync_every)
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("train.checkpoint_every must be >= 0 and train.keep_checkpoints >= 1")
+    if not training:  # (posbench eval reads a run's recorded train.device, which need not exist on this machine)
+        return
+    check_device("train.device", t.device)
+    t.compile = compile_default(t.compile, t.device)
+    if t.precision == "bf16" and resolve_device(t.device).type == "cpu" and not native_bf16_cpu():
+        raise ConfigError("train.precision=bf16 but this CPU has no native bfloat16 (AVX512-BF16 or AMX), where bf16 "
+                          "autocast runs slower than float32; choose train.precision=fp32 or auto")
+    if 0 < t.steps <= t.warmup_steps:  # (posbench/training/loop.py lr_factor: step i < W takes lr · (i + 1) / W)
+        end = (f"reaches train.lr={t.lr:g} only at the last step" if t.steps == t.warmup_steps else
+               f"ends at {t.steps}/{t.warmup_steps} of train.lr={t.lr:g}, never reaching it")
+        log.warning("train.warmup_steps=%d >= train.steps=%d: every step is a warmup step, and the learning rate %s; "
+                    "give train.warmup_steps below %d", t.warmup_steps, t.steps, end, t.steps)
+
+
+def _optimizer_values(t: DictConfig) -> None:
+    """Values that would silently break training: each refused with the value and what is allowed."""
+    if not (math.isfinite(t.lr) and t.lr > 0):  # (nan and inf fail every comparison that would let them through)
+        raise ConfigError(f"train.lr={t.lr} is not allowed: it must be a finite number > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is not allowed: it must be between 0 and train.lr={t.lr} "
+                          "(the cosine schedule decays from lr to min_lr)")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not allowed: it must be >= 0")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        raise ConfigError(f"train.weight_decay={t.weight_decay} is not allowed: it must be >= 0")
+    if not t.grad_clip >= 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} is not allowed: it must be > 0 (the largest gradient norm) "
+                          "or 0 (no clipping)")
+    betas = list(t.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"train.betas={betas} is not allowed: give two AdamW betas, each 0 <= beta < 1")
+
+
+def data_values(d: DictConfig) -> None:
+    """``data.*``: the vocabulary size, the training data's needles (``data.passkey_*``) and copy windows
+    (``data.copy_*``)."""
+    positive("data.vocab_size", d.vocab_size)
+    for key in ("passkey_rate", "copy_rate"):
+        if not 0 <= d[key] <= 1:
+            raise ConfigError(f"data.{key}={d[key]} is not allowed: it is a fraction of training windows, between 0 and 1")
+    positive("data.passkey_pairs", d.passkey_pairs)
+    if not 0 < d.copy_until <= 1:
+        raise ConfigError(f"data.copy_until={d.copy_until} is not allowed: it is the fraction of train.steps at which "
+                          "copy windows end, in (0, 1]")
+
+
+def inert(values: dict, defaults, prefix: str, on: bool, needs: str) -> None:
+    """Refuse an option among ``values`` (key → value) set away from its default (``defaults``: the schema's
+    instance) while what it acts through is off (``on`` false): it would be accepted and do nothing. ``needs``
+    names what turns it on."""
+    changed = [k for k, v in values.items() if v is not None and v != getattr(defaults, k)]
+    if changed and not on:
+        value = values[changed[0]]
+        value = list(value) if isinstance(value, ListConfig) else value
+        raise ConfigError(f"{prefix}{changed[0]}={value} does nothing without {needs}, or drop it")
+
+
+def training_data_inert(d: DictConfig, defaults) -> None:
+    """A training run's ``data.passkey_pairs`` without ``data.passkey_rate`` and ``data.copy_until`` without
+    ``data.copy_rate`` (:func:`inert`; ``defaults``: the data schema's instance); a re-evaluation reads the recorded
+    ones, which trained nothing."""
+    inert({"passkey_pairs": d.passkey_pairs}, defaults, "data.", d.passkey_rate > 0,
+          "needles in the training windows: add data.passkey_rate=<fraction>")
+    inert({"copy_until": d.copy_until}, defaults, "data.", d.copy_rate > 0,
+          "copy windows in the training windows: add data.copy_rate=<fraction>")
+
+
+def model_values(m: DictConfig, seq_len: int) -> None:
+    """``model.*``: sizes, heads that divide the width into even head dimensions, dropouts in [0, 1), and the
+    temperature's options (posbench/attention/temperature.py): ``model.scale_length`` (filled: None → ``seq_len``, the length
+    the weights are trained at; ``seq_len`` + 1 for floor_log_n), a zero-shot temperature's 1 at every index below
+    ``seq_len``, ``model.scale_beta`` (> 0) and ``model.scale_layers`` only where they apply."""
+    for key in ("n_layer", "n_head", "d_model", "d_ff"):
+        positive(f"model.{key}", m[key])
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"head dim d_model/n_head={m.d_model // m.n_head} must be even")
+    for key in ("dropout", "attn_dropout"):
+        if not 0 <= m[key] < 1:  # (NaN fails it too)
+            raise ConfigError(f"model.{key}={m[key]} is not allowed: it is a dropout probability, 0 <= p < 1")
+    floor, zero_shot = m.attn_scale in ("floor_log", "floor_log_n"), m.attn_scale in ZERO_SHOT
+    if m.scale_beta != BETA and not floor:
+        raise ConfigError(f"model.scale_beta={m.scale_beta} applies to model.attn_scale=floor_log or floor_log_n "
+                          f"(model.attn_scale={m.attn_scale}): drop it")
+    if floor and not (math.isfinite(m.scale_beta) and m.scale_beta > 0):
+        raise ConfigError(f"model.scale_beta={m.scale_beta} is not allowed: the floor-log temperature's beta must be "
+                          f"> 0 (default {BETA})")
+    if m.scale_layers != "all" and not zero_shot:
+        raise ConfigError(f"model.scale_layers={m.scale_layers} applies to the zero-shot temperatures (model.attn_scale="
+                          f"{' or '.join(ZERO_SHOT)}; model.attn_scale={m.attn_scale}): drop it")
+    if m.attn_scale in ("none", "ssmax"):
+        if m.scale_length is not None:
+            raise ConfigError(f"model.scale_length={m.scale_length} applies to model.attn_scale=log_n, "
+                              f"{', '.join(ZERO_SHOT)} only (model.attn_scale={m.attn_scale}): drop it")
+        return
+    if m.scale_length is None:
+        m.scale_length = default_length(m.attn_scale, seq_len)
+    if m.scale_length < 2:
+        raise ConfigError(f"model.scale_length={m.scale_length} is not allowed: it must be >= 2 (log-n scaling divides "
+                          "by ln L; a floor-log F of 1 scales every position)")
+    first = first_scaled(m.attn_scale, m.scale_length) if zero_shot else seq_len
+    if first < seq_len:
+        need = default_length(m.attn_scale, seq_len)
+        raise ConfigError(f"model.scale_length={m.scale_length} makes model.attn_scale={m.attn_scale} scale the queries "
+                          f"from index {first} on, within the train length L={seq_len}, where the weights never saw a "
+                          f"temperature: a zero-shot temperature is 1 within L; give model.scale_length >= {need}")
+
+
+NEEDLE_FORMAT = ("keys", "key_vocab", "key_length", "marker", "end")  # eval.passkey's, also the training needles'
+
+
+def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
+    """Fill ``eval.lengths`` (None → L·2^k, k = 0…4), ``eval.passkey.lengths`` (None → ``eval.lengths``) and
+    ``eval.context.stride`` (None → L // 8), and check the evaluation settings (the probes' options by their own
+    checks: posbench/evaluation/passkey.py, posbench/evaluation/context.py); a probe's options set without the probe
+    are refused, except
+    the needle format (:data:`NEEDLE_FORMAT`) when ``needles``: a training run's needles take it too."""
+    if e.max_tokens is not None:
+        positive("eval.max_tokens", e.max_tokens)
+    positive("eval.batch_tokens", e.batch_tokens)
+    if isinstance(e.probe_every, bool) or not isinstance(e.probe_every, int) or e.probe_every < 0:
+        raise ConfigError(f"eval.probe_every={e.probe_every!r} is not allowed: give the training steps between probes "
+                          "(> 0), or 0 for none")
+    if e.probe_every and "passkey" not in e.probes:
+        raise ConfigError(f"eval.probe_every={e.probe_every} probes retrieval during training: add "
+                          "'eval.probes=[passkey]', or drop eval.probe_every")
+    given = {probe: dict(e[probe]) for probe in ("passkey", "context")}  # before the fills below
+    if e.lengths is None:
+        e.lengths = [seq_len * 2**k for k in range(5)]
+    if len(e.lengths) == 0:
+        raise ConfigError("eval.lengths=[] is empty: give at least one evaluation length >= 2")
+    for n in e.lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(f"evaluation length {n!r} in eval.lengths is not allowed: each must be an integer >= 2")
+    if list(e.lengths) != sorted(set(e.lengths)):
+        raise ConfigError(f"eval.lengths={list(e.lengths)} is not allowed: give increasing lengths without repeats, "
+                          f"e.g. [{','.join(map(str, sorted(set(e.lengths))))}] (tables and ratios read them in order)")
+    if e.passkey.lengths is None:
+        e.passkey.lengths = list(e.lengths)
+    try:
+        passkey.check(e.passkey)
+        context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    filled = {("passkey", "lengths"): list(e.lengths), ("passkey", "key_vocab"): KEYS.get(e.passkey["keys"]),
+              ("context", "stride"): max(1, seq_len // 8)}  # what the fills above give: a finalized config holds them
+    for probe, values in given.items():  # a probe's valid options without the probe (the needle format: training's too)
+        values = {k: v for k, v in values.items() if not (needles and probe == "passkey" and k in NEEDLE_FORMAT)
+                  and not (v is not None and v == filled.get((probe, k)))}
+        inert(values, {"passkey": passkey.Config, "context": context.Config}[probe](), f"eval.{probe}.",
+              probe in e.probes, f"its probe: add 'eval.probes=[{probe}]'")
+    if e.protocol != "sliding" and e.stride is not None:
+        raise ConfigError(f"eval.stride={e.stride} applies to eval.protocol=sliding only, and eval.protocol="
+                          f"{e.protocol}: drop eval.stride, or add eval.protocol=sliding")
+    if e.protocol == "sliding":
+        if e.stride is None:
+            raise ConfigError("eval.protocol=sliding needs eval.stride (1 <= stride <= the evaluation length)")
+        if e.stride < 1 or e.stride > min(e.lengths):
+            raise ConfigError(f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest "
+                              f"evaluation length {min(e.lengths)}")
+
+
+def remap_values(e: DictConfig, m: DictConfig, scheme: DictConfig, seq_len: int, training: bool) -> None:
+    """``eval.remap`` and its ``eval.remap_options`` (filled with the method's defaults for L = ``seq_len`` and the
+    longest window scored, probes included, and checked by posbench/attention/remap.py): only in a re-evaluation
+    (``posbench eval``), on a model without windows whose schemes (``scheme``, and a hybrid's global one) do not take
+    their positions from the content (CoPE), do not scale by the window's length (``dynamic_ntk``: a region's
+    remapped positions would pick other frequencies than the window's), and, for a method that only remaps distances
+    (all but streaming and lm_infinite, which also hide keys), read a position per (query, key) pair (rotary or bias
+    schemes: for NoPE, sinusoidal and learned it would change nothing); Leaky ReRoPE's fractional distances not for
+    T5's buckets; options without a method refused."""
+    method = e.remap
+    if method != "none":
+        if training:
+            raise ConfigError(f"eval.remap={method} applies to a trained run: posbench eval run=<run folder> "
+                              f"eval.remap={method}")
+        if m.window is not None:
+            raise ConfigError(f"eval.remap={method} and model.window={m.window}: a remap runs on models without windows")
+        g = m.get("global_scheme")
+        sections = [scheme, *([g if not isinstance(g, str) else {"name": g}] if g is not None else [])]
+        for section in sections:
+            name, cls = section.get("name"), SCHEMES[section.get("name")]
+            if cls.contextual:
+                raise ConfigError(f"eval.remap={method} remaps positions per (query, key) pair, and scheme={name} "
+                                  "computes its positions from the content: choose another scheme's run")
+            if section.get("scaling") == "dynamic_ntk":
+                raise ConfigError(f"eval.remap={method} and scheme.scaling=dynamic_ntk: dynamic NTK picks its frequencies "
+                                  "from the positions it is given, which a remap changes per region; give another scaling")
+            if method == "leaky_rerope" and name == "t5":
+                raise ConfigError("eval.remap=leaky_rerope reads fractional distances past its window, and scheme=t5's "
+                                  "buckets take whole ones: choose eval.remap=rerope for a T5 run")
+        if method not in ("streaming", "lm_infinite") and not any(
+                SCHEMES[x.get("name")].rotary or SCHEMES[x.get("name")].has_bias for x in sections):
+            raise ConfigError(f"eval.remap={method} changes only the distances a scheme reads per (query, key) pair, and "
+                              f"scheme={scheme.name} reads none: it would change nothing; streaming and lm_infinite "
+                              "also hide keys")
+    try:
+        remap.check(method, e.remap_options, seq_len, longest_length(e))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def training_positions(t: DictConfig, schemes: list[str], e: DictConfig) -> None:
+    """The training positions other than 0…L−1: ``train.random_positions`` (M) and ``train.pose`` (L_t), each at
+    least L, not both, for a model whose ``schemes`` (the run's, and a hybrid's global one) read positions;
+    ``train.pose_chunks`` in 2…L and only with ``train.pose``; a warning when M or L_t is below the longest evaluation
+    length (positions from there on are never seen in training)."""
+    M, Lt, N = t.random_positions, t.pose, t.pose_chunks
+    if N != 2 and Lt is None:
+        raise ConfigError(f"train.pose_chunks={N} applies to PoSE: add train.pose=<target length>, or drop it")
+    for key, value in (("random_positions", M), ("pose", Lt)):
+        if value is None:
+            continue
+        positive(f"train.{key}", value)
+        if value < t.seq_len:
+            what = ("a window's positions are distinct integers drawn from [0, M)" if key == "random_positions" else
+                    "PoSE spreads a window's L positions over [0, L_t)")
+            raise ConfigError(f"train.{key}={value} is smaller than train.seq_len={t.seq_len}: {what}")
+        if not any(SCHEMES[s].reads_positions() for s in schemes if s in SCHEMES):
+            which = f"scheme={schemes[0]}" + (f" and model.global_scheme={schemes[1]} use" if len(schemes) > 1 else " uses")
+            raise ConfigError(f"train.{key}={value} but {which} no positions: drop train.{key}, or choose a scheme that "
+                              "reads them")
+        if value < longest_length(e):
+            log.warning("train.%s=%d is below the longest evaluation length %d: positions from %d on are never seen "
+                        "in training", key, value, longest_length(e), value)
+    if M is not None and Lt is not None:
+        raise ConfigError(f"train.random_positions={M} and train.pose={Lt} both choose the training positions: "
+                          "give one of them")
+    if Lt is not None and (isinstance(N, bool) or not isinstance(N, int) or not 2 <= N <= t.seq_len):
+        raise ConfigError(f"train.pose_chunks={N} is not allowed: PoSE cuts a window of train.seq_len={t.seq_len} "
+                          f"tokens into 2…{t.seq_len} chunks (its first chunk starts at position 0)")
+
+
+def global_name(m: DictConfig) -> list[str]:
+    """The name of ``model.global_scheme`` in a list (a name, or a section's ``name``), or [] when there is none."""
+    g = m.get("global_scheme")
+    if g is None:
+        return []
+    return [g] if isinstance(g, str) else [g.get("name")] if isinstance(g, (dict, DictConfig)) else [str(g)]
+
+
+def layers(m: DictConfig, scheme: str, seq_len: int, longest: int) -> None:
+    """Hybrid layers (posbench/model/gpt.py ``GPT``): ``model.layer_pattern`` (L and G letters), the L layers' window
+    (1 ≤ W < L, ``train.seq_len``: a window of L or more hides no key in training; an L layer needed; not with a
+    length-dependent ``model.attn_scale``, whose n, the keys a query sees, a window caps), the G
+    layers' ``model.global_scheme`` (read as a scheme section and resolved in place, as ``scheme`` is: its name known,
+    its options the scheme's, its derived ones filled from ``seq_len``; a G and an L layer needed; no scheme that
+    embeds positions beside it), QK-norm's options only with ``model.qk_norm=rms`` (``local`` needs an L layer), and a
+    pattern with L layers only when something makes them differ from the G ones."""
+    try:
+        kinds = expand_pattern(m.layer_pattern, m.n_layer)
+    except ValueError as err:
+        raise ConfigError(f"model.{err}") from None
+    W, g = m.window, global_name(m)
+    if W is not None:
+        positive("model.window", W)
+        if "L" not in kinds:
+            raise ConfigError(f"model.window={W} applies to the L layers, and model.layer_pattern={m.layer_pattern} has "
+                              f"none at {m.n_layer} layers: give a pattern with L layers, e.g. LLLG, or drop the window")
+        if W >= seq_len:
+            raise ConfigError(f"model.window={W} is not below train.seq_len={seq_len}: a window of L tokens or more hides "
+                              f"no key in training, so the L layers would train as global ones; give 1 <= model.window "
+                              f"< {seq_len}")
+    elif m.window_kind != "sliding":
+        raise ConfigError(f"model.window_kind={m.window_kind} applies to model.window: give model.window=<tokens>")
+    if W is not None and m.attn_scale in ("log_n", "ssmax"):
+        raise ConfigError(f"model.attn_scale={m.attn_scale} scales a query by the t + 1 keys it sees, and model.window="
+                          f"{W} caps them at W in the L layers: the two are not defined together; drop one of them")
+    if m.qk_norm == "none" and (m.qk_norm_layers != "all" or m.qk_norm_weight is not True):
+        key = "qk_norm_layers" if m.qk_norm_layers != "all" else "qk_norm_weight"
+        raise ConfigError(f"model.{key}={m[key]} applies to QK-norm: add model.qk_norm=rms, or drop it")
+    if m.scale_layers == "global" and not ("L" in kinds and "G" in kinds):
+        raise ConfigError(f"model.scale_layers=global scales the G layers beside L layers, and model.layer_pattern="
+                          f"{m.layer_pattern} at {m.n_layer} layers has {'no L' if 'L' not in kinds else 'no G'} layer: "
+                          "give a pattern with both, e.g. LLLG, or model.scale_layers=all")
+    if m.qk_norm == "rms" and m.qk_norm_layers == "local" and "L" not in kinds:
+        raise ConfigError(f"model.qk_norm_layers=local applies to the L layers, and model.layer_pattern="
+                          f"{m.layer_pattern} has none")
+    if g and SCHEMES[scheme].embed is not PositionalScheme.embed:
+        raise ConfigError(f"scheme={scheme} adds positions to the embeddings, once, before the first layer: it cannot "
+                          f"be the scheme of the L layers beside model.global_scheme={g[0]}")
+    if g:
+        _global_scheme(m, kinds, seq_len, longest)
+    elif "L" in kinds and W is None and not (m.qk_norm == "rms" and m.qk_norm_layers == "local"):
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern}: its L layers differ from G layers only by "
+                          "model.window, model.global_scheme or model.qk_norm_layers=local; give one, or drop the pattern")
+
+
+def _global_scheme(m: DictConfig, kinds: str, seq_len: int, longest: int) -> None:
+    """Read ``model.global_scheme`` as a scheme section, resolve it (its Config's ``resolve``) and write it back."""
+    g = m.global_scheme
+    section = {"name": g} if isinstance(g, str) else OmegaConf.to_container(g) if isinstance(g, DictConfig) else g
+    if not isinstance(section, dict) or not isinstance(section.get("name"), str):
+        raise ConfigError(f"model.global_scheme={g!r} is not allowed: give a scheme's name, or "
+                          "'{name: <scheme>, <option>: <value>}'")
+    name = section.pop("name")
+    if name not in SCHEMES:
+        raise ConfigError(f"model.global_scheme: unknown scheme {name!r}; choose one of: {', '.join(sorted(SCHEMES))}")
+    if "G" not in kinds or "L" not in kinds:
+        raise ConfigError(f"model.global_scheme={name} is the scheme of the G layers beside the L layers' scheme, and "
+                          f"model.layer_pattern={m.layer_pattern} has {'no G' if 'G' not in kinds else 'no L'} layer at "
+                          f"{m.n_layer} layers" + ("" if "G" not in kinds else f"; give scheme={name} instead"))
+    if SCHEMES[name].embed is not PositionalScheme.embed:
+        raise ConfigError(f"model.global_scheme={name} adds positions to the embeddings, once, before the first layer: "
+                          "it cannot be the scheme of some layers only")
+    try:
+        config = SCHEMES[name].make_config(**section)
+        config.resolve(seq_len, longest)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model.global_scheme.{err}") from None
+    with open_dict(m):
+        m.global_scheme = {"name": name, **dataclasses.asdict(config)}

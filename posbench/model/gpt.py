@@ -1,0 +1,406 @@
+"""A decoder-only GPT (pre-LayerNorm, GELU MLP, tied embeddings) that knows no positional scheme by name.
+
+One recipe for every scheme (docs/design.md §2), so that a comparison differs in positions only: token
+embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
+code of the ALiBi paper; Vaswani et al. 2017, §3.4), weights start as in GPT-2, and the head is tied.
+
+The positional scheme is a module handed in at construction (one shared by every layer, or one per layer for a
+scheme built that way); the model calls its hooks (``embed``, ``rotation``/``rotate``, ``score_mod``; see
+posbench/schemes/base.py) and nothing else. Once per forward pass and scheme instance the model builds an
+attention context (posbench/attention/dispatch.py: the scheme, the positions, its rotation tables, the attention kernel and
+its bias or masks), which the layers of that instance share; each layer hands its q, k, v to ``dispatch.attend``:
+causal SDPA when the scheme has no bias, otherwise a kernel chosen for the scheme and device (FlexAttention on CUDA;
+ALiBi folded into SDPA on CPU) that never materialises a (B, H, T, T) tensor. ``attn_scale`` multiplies each query
+by a factor of its index (log-n scaling, Scalable-Softmax, the zero-shot temperatures: posbench/attention/temperature.py) before
+any kernel runs.
+
+    scheme = build_scheme("alibi", d_model=128, n_head=4)
+    model = GPT(vocab_size=4096, n_layer=4, n_head=4, d_model=128, d_ff=512, scheme=scheme)
+    logits = model(idx)  # idx: (B, T) int64 → (B, T, V)
+    nll = model(idx, targets=targets)  # targets: (B, T) int64 → (B, T) NLL of each target, in nats
+
+Given targets, the model returns each target's NLL instead of logits; on CPU :class:`HeadNLL` computes the
+head's logits, their log-sum-exp and the loss gradient chunk by chunk while each chunk is in cache, which
+takes about a third less time than logits + ``cross_entropy`` for model=tiny's head and loss. On CUDA it does so
+too, with each chunk's logits in autocast's dtype, where :data:`CHUNKED_HEAD_CUDA` is set (off until a GPU probe has
+timed it against the bf16 logits upcast to float32 that CUDA computes otherwise; :func:`head_dtype` chooses).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from posbench.attention import dispatch, temperature
+from posbench.attention.windows import Window, expand_pattern
+from posbench.schemes.base import PositionalScheme
+
+SSMAX_INIT = 0.43  # s of SSMax at initialisation: the default of the unofficial scalable-softmax package (PyPI)
+QK_NORM_EPS = 1e-6  # QK-norm's RMSNorm epsilon (Gemma 3's, Qwen 3's; Llama 4 uses 1e-5)
+SINK_STD = 0.02  # attention sinks start N(0, 0.02²): Hugging Face's GPT-OSS initialisation (initializer_range)
+CHUNKED_HEAD_CUDA = False  # HeadNLL on CUDA too (:func:`head_dtype`): off until a GPU probe has timed it against logits
+HEAD_CHUNK_ELEMENTS = 2**20  # logits per HeadNLL chunk on CPU: 4 MiB of float32, in cache
+HEAD_CHUNK_ELEMENTS_CUDA = 2**24  # logits per HeadNLL chunk on CUDA (fewer, larger launches): 64 MiB of float32
+
+
+def head_dtype(device: torch.device, dtype: torch.dtype, chunked_cuda: bool, autocast: torch.dtype | None = None
+               ) -> torch.dtype | None:
+    """How the model computes its head and loss given targets, for final activations of ``dtype`` on ``device``
+    (its type alone counts: CPU tensors may take CUDA's path in tests) under ``autocast`` (its dtype, or None):
+    the dtype of :class:`HeadNLL`'s chunk matmuls, or None for logits + ``cross_entropy`` (a (B·T, V) tensor, upcast
+    to float32). float32 on CPU for float32 activations (autocast or not: the head as today); on CUDA with
+    ``chunked_cuda`` (:data:`CHUNKED_HEAD_CUDA`) and float32 activations (LayerNorm's output under autocast),
+    autocast's dtype, or float32 without autocast; else None."""
+    if dtype != torch.float32:
+        return None
+    if device.type == "cpu":
+        return torch.float32
+    return (autocast or torch.float32) if device.type == "cuda" and chunked_cuda else None
+
+
+def head_rows(device: torch.device, vocab: int) -> int:
+    """Rows of each :class:`HeadNLL` chunk: :data:`HEAD_CHUNK_ELEMENTS` logits on CPU, :data:`HEAD_CHUNK_ELEMENTS_CUDA`
+    on CUDA, of a vocabulary of ``vocab``, at least 1."""
+    return max(1, (HEAD_CHUNK_ELEMENTS_CUDA if device.type == "cuda" else HEAD_CHUNK_ELEMENTS) // vocab)
+
+
+class HeadNLL(torch.autograd.Function):
+    """Per-token negative log-likelihood under softmax(h·Wᵀ): the tied head and the loss in one op.
+
+    forward(h: (N, D) float32, weight: (V, D) float32, targets: (N,) int64, rows: int, need_grad: bool,
+    mm_dtype: torch.dtype | None = None) → (N,) NLL in nats, equal to ``cross_entropy(h @ weight.T, targets,
+    reduction="none")``. For every chunk of ``rows`` rows it computes the logits z and NLL_n = logsumexp_v(z_nv) −
+    z_n,y_n; with ``need_grad`` it also turns the chunk, while it is in cache, into the gradient ∂NLL_n/∂z_nv =
+    softmax(z_n)_v − [v = y_n] (the softmax cross-entropy gradient), kept in one (N, V) buffer. Backward then needs
+    two matmuls; the incoming per-token gradient g scales the small (N, D) operands, never the (N, V) buffer. The
+    buffer is the size of the logits it replaces, so training memory is unchanged; without ``need_grad``
+    (evaluation) only one chunk of logits exists at a time, in one reused buffer.
+
+    ``mm_dtype`` other than h's (bfloat16: CUDA under autocast, :func:`head_dtype`): autocast's precision without its
+    (N, V) logits. Each chunk's logits come from a matmul of h and weight cast to ``mm_dtype`` (as autocast's linear
+    computes them), their log-sum-exp, NLL and gradient in float32; the gradient buffer (N, V) is in ``mm_dtype``
+    (half the float32 logits that the upcast path keeps besides its bf16 ones), and backward's two matmuls run in it
+    too, their results cast back to h's and weight's dtypes, as autocast's linear backward does. Autocast is off
+    inside (every cast explicit), so the result is the same with or without it.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows, need_grad, mm_dtype=None):
+        if mm_dtype is not None and mm_dtype != h.dtype:
+            return HeadNLL._forward_cast(ctx, h, weight, targets, rows, need_grad, mm_dtype)
+        n = h.shape[0]
+        grad = torch.empty(n if need_grad else min(n, rows), weight.shape[0], dtype=h.dtype, device=h.device)  # (N or c, V)
+        nll = torch.empty(n, dtype=h.dtype, device=h.device)  # (N,)
+        for s in range(0, n, rows):
+            y = targets[s:s + rows, None]  # (c, 1)
+            z = torch.mm(h[s:s + rows], weight.t(), out=grad[s:s + rows] if need_grad else grad[: len(y)])  # (c, V) logits
+            z_y, top = z.gather(1, y), z.amax(dim=1, keepdim=True)  # (c, 1) each
+            total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # (c, 1): Σ_v exp(z_v − max)
+            nll[s:s + rows] = (top + total.log() - z_y).squeeze(1)  # log-sum-exp − z_y
+            if need_grad:
+                z.mul_(total.reciprocal()).scatter_add_(1, y, torch.full_like(total, -1.0))  # softmax − one-hot
+        ctx.save_for_backward(h, weight, grad)
+        return nll
+
+    @staticmethod
+    def _forward_cast(ctx, h, weight, targets, rows, need_grad, mm_dtype):
+        """forward with chunk matmuls in ``mm_dtype`` and the rest in float32 (the class docstring)."""
+        n = h.shape[0]
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(mm_dtype).t()  # (D, V)
+            grad = torch.empty(n if need_grad else 0, weight.shape[0], dtype=mm_dtype, device=h.device)  # (N or 0, V)
+            nll = torch.empty(n, dtype=torch.float32, device=h.device)  # (N,)
+            for s in range(0, n, rows):
+                y = targets[s:s + rows, None]  # (c, 1)
+                z = torch.mm(h[s:s + rows].to(mm_dtype), w).float()  # (c, V) logits of mm_dtype, in float32
+                z_y, top = z.gather(1, y), z.amax(dim=1, keepdim=True)  # (c, 1) each
+                total = z.sub_(top).exp_().sum(dim=1, keepdim=True)  # (c, 1): Σ_v exp(z_v − max)
+                nll[s:s + rows] = (top + total.log() - z_y).squeeze(1)  # log-sum-exp − z_y
+                if need_grad:  # softmax − one-hot, rounded to mm_dtype
+                    grad[s:s + rows] = z.mul_(total.reciprocal()).scatter_add_(1, y, torch.full_like(total, -1.0))
+        ctx.save_for_backward(h, weight, grad)
+        return nll.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, g):  # g: (N,)
+        h, weight, grad = ctx.saved_tensors
+        g = g[:, None]  # (N, 1)
+        if grad.dtype == h.dtype:
+            return (grad @ weight) * g, grad.t() @ (h * g), None, None, None, None  # ∂/∂h (N, D), ∂/∂W (V, D)
+        with torch.autocast(h.device.type, enabled=False):  # matmuls in grad's dtype (mm_dtype), as autocast's
+            d_h = (grad @ weight.to(grad.dtype)).to(h.dtype) * g  # (N, D)
+            d_w = grad.t() @ (h * g).to(grad.dtype)  # (V, D)
+        return d_h, d_w.to(weight.dtype), None, None, None, None
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention whose positions come from the context of the forward pass
+    (posbench/attention/dispatch.py: this layer's scheme, kernel, window, rotation tables, bias; dropout included), with the
+    length-dependent scaling of the queries ``attn_scale`` (posbench/attention/temperature.py; see :class:`GPT`), optionally
+    QK-norm (``qk_norm``: RMSNorm of each head's query and key before any rotation, with or without a learned gain per
+    head dimension, ``qk_weight``) and a learned sink logit per head (``sink``)."""
+
+    def __init__(self, d_model: int, n_head: int, attn_scale: str = "none", qk_norm: bool = False,
+                 qk_weight: bool = True, sink: bool = False):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        if attn_scale == "ssmax":  # Nakanishi 2025: s learned per head (and per layer)
+            self.ssmax = nn.Parameter(torch.full((n_head,), SSMAX_INIT))  # (H,)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # (Dh,) gains, initialised to 1, where qk_weight
+            self.q_norm, self.k_norm = (nn.RMSNorm(d_model // n_head, eps=QK_NORM_EPS, elementwise_affine=qk_weight)
+                                        for _ in range(2))
+        self.sink = nn.Parameter(torch.zeros(n_head)) if sink else None  # (H,) (drawn by GPT's initialisation)
+
+    def forward(self, x: torch.Tensor, ctx: dispatch.Context, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, D); factor: None (no scaling), or the (T, 1) factor on each query (``temperature.factor``: for
+        ``ssmax`` ln n, which the layer multiplies by its learned s_h) → (B, T, D)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
+        if self.q_norm is not None:  # x / rms(x) per head, before the rotation (which keeps each head's norm)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.remap is None:  # (a remap turns q and k per region, in its kernel)
+            q, k = ctx.scheme.rotate(q, k, ctx.rotation)
+        if factor is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
+            if hasattr(self, "ssmax"):
+                factor = self.ssmax[:, None, None] * factor.to(self.ssmax.dtype)  # (H, T, 1)
+            q = q * factor.to(q.dtype)  # factor: (H, T, 1) or (T, 1)
+        y = dispatch.attend(q, k, v, ctx) if self.sink is None else dispatch.attend(q, k, v, ctx, self.sink)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model, n_head, d_ff, dropout, attn_scale="none", qk_norm=False, qk_weight=True, sink=False):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_head, attn_scale, qk_norm, qk_weight, sink)
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, ctx, factor=None):
+        x = x + self.drop(self.attn(self.ln1(x), ctx, factor))
+        return x + self.mlp(self.ln2(x))  # (B, T, D)
+
+
+class GPT(nn.Module):
+    """Decoder-only causal language model with a pluggable positional scheme, its layers local or global.
+
+    Args:
+        vocab_size: V, tokens in the vocabulary.
+        n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
+        dropout: dropout probability on the embeddings and the residual branches (0 disables it).
+        scheme: the positional scheme of the local (L) layers, and of the global (G) ones when ``global_scheme`` is
+            None: one instance shared by them all, or a list of instances of one class, one per layer that uses it,
+            in layer order (a scheme whose reference builds one per attention layer: ``scheme.per_layer``, FIRE's and
+            CoPE's; posbench.model.build.build_model makes them). Registered as ``self.scheme``: the scheme itself
+            (state-dict keys ``scheme.*``), or an ``nn.ModuleList`` (``scheme.<i>.*``).
+        global_scheme: the G layers' scheme (an instance or a per-layer list of the G layers, as ``scheme``), of any
+            class but one that embeds positions; ``self.global_scheme`` (``global_scheme.*``); None: ``scheme``.
+        layer_pattern: which layers are local and which global: ``L`` and ``G`` letters repeated over the layers
+            from the first (posbench.attention.windows.expand_pattern: ``LLLG`` at 4 layers, ``LG`` alternating); ``G``, the
+            default, makes every layer global, the model as before.
+        window, window_kind: the L layers' attention window (posbench/attention/windows.py): W ≥ 1 tokens of a ``sliding``
+            window (query i sees key j when 0 ≤ i − j < W) or the chunk length of a ``chunked`` one (j ≤ i in the
+            same chunk of W); None: the L layers attend to every earlier key.
+        qk_norm: ``none``, or ``rms``: each head's query and key divided by their root mean square (RMSNorm, eps
+            :data:`QK_NORM_EPS`) before any rotation (Dehghani et al. 2023; Gemma 3, OLMo 2, Qwen 3, Llama 4), on
+            ``qk_norm_layers`` (``all``, or ``local``: the L layers, as Llama 4's RoPE layers), with a learned gain per
+            head dimension when ``qk_norm_weight`` (initialised to 1), without one otherwise (Llama 4: then, for a plain
+            rotation, RoPE's or p-RoPE's, which keeps each head's norm, it equals Llama 4's norm after the rotation).
+        attn_sink: a learned logit per head and layer joins every softmax's denominator and is dropped
+            (GPT-OSS's attention sinks; Xiao et al. 2023's sink as a parameter), initialised N(0, :data:`SINK_STD`²).
+        scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
+            GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
+        attn_scale: length-dependent attention scaling, a factor on each query (``temperature.factor``), so on its
+            logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are),
+            a function of the query's index t in the window, n = t + 1 the keys it sees (causal by index, whatever
+            the positions): ``none`` (1: the model as before, bit for bit), ``log_n`` (ln n / ln L), ``ssmax``
+            (s_h·ln n, s_h learned per head and layer, initialised to :data:`SSMAX_INIT`), and the zero-shot
+            temperatures, 1 for every t < L: ``floor_log`` (Ministral 3), ``floor_log_n`` (Llama 4),
+            ``log_n_clipped`` (ReRoPE, Self-Extend).
+        scale_length: L of ``log_n`` and ``log_n_clipped``, F of ``floor_log`` and ``floor_log_n``; unused otherwise.
+        scale_beta: β of ``floor_log`` and ``floor_log_n``, > 0.
+        scale_layers: the layers a zero-shot temperature scales: ``all``, or ``global`` (the G layers of a pattern
+            with L and G layers: Llama 4 scales its NoPE layers); ``log_n`` and ``ssmax`` scale every layer.
+        attn_dropout: dropout probability on the attention probabilities, in [0, 1), in training mode only (0
+            disables it). Any attention dropout moves a bias scheme off FlexAttention on CUDA, which has none
+            (``dispatch.choose_kernel``).
+    Raises:
+        ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not as long as the layers that use it,
+            of several classes, or of a class that embeds positions (it would add them once, before the first layer);
+            a scheme that embeds positions beside a ``global_scheme``; a bad ``layer_pattern``; a window without an L
+            layer, of size below 1 or of an unknown kind, or beside an ``attn_scale`` other than ``none``; a
+            ``global_scheme`` without a G layer; an unknown ``attn_scale``, ``qk_norm`` or ``qk_norm_layers``, or
+            ``local`` without an L layer; a ``scale_length`` or ``scale_beta`` the temperature refuses, or
+            ``scale_layers=global`` but for a zero-shot temperature on a pattern with L and G layers; ``attn_dropout``
+            outside [0, 1).
+
+    Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
+    by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them; attention
+    sinks are drawn last, so every other weight is the one a model without them draws.
+    """
+
+    def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
+                 scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
+                 attn_scale: str = "none", scale_length: int | None = None, scale_beta: float = temperature.BETA,
+                 scale_layers: str = "all", attn_dropout: float = 0.0,
+                 global_scheme: PositionalScheme | list[PositionalScheme] | None = None, layer_pattern: str = "G",
+                 window: int | None = None, window_kind: str = "sliding", qk_norm: str = "none",
+                 qk_norm_layers: str = "all", qk_norm_weight: bool = True, attn_sink: bool = False):
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
+        if attn_scale not in temperature.ATTN_SCALES:
+            raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(temperature.ATTN_SCALES)}")
+        if attn_scale != "none":
+            temperature.factor(attn_scale, 1, scale_length, scale_beta)  # ValueError for a bad scale_length
+        if attn_scale.startswith("floor_log") and not scale_beta > 0:
+            raise ValueError(f"scale_beta={scale_beta!r}: the floor-log temperature needs beta > 0")
+        if not 0 <= attn_dropout < 1:
+            raise ValueError(f"attn_dropout={attn_dropout!r} is not a dropout probability, 0 <= p < 1")
+        kinds = expand_pattern(layer_pattern, n_layer)  # one letter per layer
+        users = n_layer if global_scheme is None else kinds.count("L")  # the layers of self.scheme
+        self.windows = _windows(kinds, window, window_kind)  # per layer: a Window or None
+        if window is not None and attn_scale in ("log_n", "ssmax"):
+            raise ValueError(f"attn_scale={attn_scale!r} counts t + 1 keys per query, which window={window} caps in the "
+                             "L layers: give one of them")
+        if global_scheme is not None and "G" not in kinds:
+            raise ValueError(f"global_scheme given, but layer_pattern={layer_pattern!r} has no G layer to use it")
+        if global_scheme is not None and "L" not in kinds:
+            raise ValueError(f"global_scheme given, but layer_pattern={layer_pattern!r} has no L layer: give the "
+                             "scheme as scheme")
+        self.scheme = _scheme_module(scheme, users, "scheme", embed_ok=global_scheme is None)
+        self.global_scheme = None if global_scheme is None else _scheme_module(
+            global_scheme, kinds.count("G"), "global_scheme", embed_ok=False)
+        self.kinds = kinds
+        if qk_norm not in dispatch.QK_NORMS or qk_norm_layers not in dispatch.QK_NORM_LAYERS:
+            raise ValueError(f"qk_norm={qk_norm!r}, qk_norm_layers={qk_norm_layers!r}: choose qk_norm "
+                             f"{' or '.join(dispatch.QK_NORMS)}, qk_norm_layers {' or '.join(dispatch.QK_NORM_LAYERS)}")
+        if qk_norm == "rms" and qk_norm_layers == "local" and "L" not in kinds:
+            raise ValueError(f"qk_norm_layers=local, but layer_pattern={layer_pattern!r} has no L layer")
+        normed = [qk_norm == "rms" and (qk_norm_layers == "all" or kind == "L") for kind in kinds]
+        if scale_layers not in temperature.SCALE_LAYERS or scale_layers == "global" and not (
+                attn_scale in temperature.ZERO_SHOT and "L" in kinds and "G" in kinds):
+            raise ValueError(f"scale_layers={scale_layers!r}: choose {' or '.join(temperature.SCALE_LAYERS)}; global "
+                             "needs a zero-shot attn_scale and a layer_pattern with L and G layers")
+        self.n_head, self.attn_dropout = n_head, attn_dropout
+        self.attn_scale, self.scale_length, self.scale_beta = attn_scale, scale_length, scale_beta
+        self.remap = None  # an evaluation's training-free extension (posbench/attention/remap.py), set after the model is built
+        self.scaled = [attn_scale != "none" and (scale_layers == "all" or kind == "G") for kind in kinds]  # per layer
+        self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, attn_scale, normed[i], qk_norm_weight,
+                                          attn_sink) for i in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied input and output embeddings
+        for name, p in self.named_parameters():
+            if name.startswith(("scheme.", "global_scheme.")) or name.endswith(".ssmax"):
+                continue
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for block in self.blocks if attn_sink else ():  # last: every other weight as without sinks
+            nn.init.normal_(block.attn.sink, std=SINK_STD)
+
+    @property
+    def layer_schemes(self) -> list[PositionalScheme]:
+        """Each layer's scheme instance: the shared one of its kind (local or global), or layer l's own."""
+        parts = {"L": self._instances(self.scheme), "G": self._instances(self.global_scheme or self.scheme)}
+        if self.global_scheme is None:
+            return parts["L"]
+        taken = {"L": iter(parts["L"]), "G": iter(parts["G"])}
+        return [next(taken[kind]) for kind in self.kinds]
+
+    def _instances(self, module) -> list[PositionalScheme]:
+        """The instances of a scheme module, one per layer that uses it (a shared one repeated)."""
+        users = len(self.blocks) if self.global_scheme is None else self.kinds.count("L" if module is self.scheme else "G")
+        return list(module) if isinstance(module, nn.ModuleList) else [module] * users
+
+    def scheme_parts(self) -> list[tuple[str, PositionalScheme]]:
+        """Each scheme instance with its state-dict prefix: ``[("scheme.", scheme)]`` when shared,
+        ``[("scheme.0.", layer 0's), …]`` per layer; then the global scheme's (``global_scheme.``), if any."""
+        parts = []
+        for prefix, module in (("scheme.", self.scheme), ("global_scheme.", self.global_scheme)):
+            if isinstance(module, nn.ModuleList):
+                parts += [(f"{prefix}{i}.", s) for i, s in enumerate(module)]
+            elif module is not None:
+                parts.append((prefix, module))
+        return parts
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                last: int | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 token ids; pos: (T,) absolute positions, default 0…T−1 → logits (B, T, V) (``last``: of
+        the last ``last`` positions only, (B, last, V), so that a probe scoring a few tokens keeps no (B, T, V)), or, given
+        targets (B, T) int64, each target's NLL in nats (B, T) float32 (from float32 logits whatever autocast
+        does; on CPU through :class:`HeadNLL`, without a (B·T, V) logits tensor; on CUDA so too, with chunk logits in
+        autocast's dtype, where :data:`CHUNKED_HEAD_CUDA` is set: :func:`head_dtype`)."""
+        span = None  # max(pos) − min(pos) + 1, known without reading pos for the default positions
+        if pos is None:
+            pos, span = torch.arange(idx.shape[1], device=idx.device), idx.shape[1]
+        layers = self.layer_schemes
+        x = self.drop(layers[0].embed(self.tok(idx) * self.embed_scale, pos))  # (B, T, D)
+        # once per pass, scheme instance and window (every layer's, or each layer's own): kernel, rotation tables, bias
+        dropout = self.attn_dropout if self.training else 0.0  # of the attention probabilities
+        sink = self.blocks[0].attn.sink is not None
+        contexts = {}
+        for s, window in zip(layers, self.windows):  # (a loop: torch.compile cannot resume a comprehension after a
+            if (id(s), window) not in contexts:  # graph break)
+                contexts[(id(s), window)] = dispatch.context(s, pos, self.n_head, x.dtype, dropout, span=span,
+                                                              window=window, sink=sink, remap=self.remap)
+        factor = None if self.attn_scale == "none" else temperature.factor(  # (T, 1)
+            self.attn_scale, idx.shape[1], self.scale_length, self.scale_beta, idx.device)
+        for block, scheme, window, scaled in zip(self.blocks, layers, self.windows, self.scaled):
+            x = block(x, contexts[(id(scheme), window)], factor if scaled else None)
+        x = self.ln_f(x)  # (B, T, D)
+        if targets is None:
+            return self.head(x if last is None else x[:, -last:])  # (B, T, V) or (B, last, V)
+        amp = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        mm_dtype = head_dtype(x.device, x.dtype, CHUNKED_HEAD_CUDA, amp)
+        if mm_dtype is not None:
+            rows = head_rows(x.device, self.head.weight.shape[0])
+            need_grad = torch.is_grad_enabled() and (x.requires_grad or self.head.weight.requires_grad)
+            nll = HeadNLL.apply(x.flatten(0, 1), self.head.weight, targets.flatten(), rows, need_grad,  # (B·T,)
+                                mm_dtype)
+        else:
+            nll = nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), targets.flatten(), reduction="none")
+        return nll.view(targets.shape)  # (B, T)
+
+
+def _windows(kinds: str, window: int | None, window_kind: str) -> list[Window | None]:
+    """Each layer's window: ``Window(window, window_kind)`` for an L layer, None for a G layer or without a window.
+    Raises ValueError for a window without an L layer, or one posbench.attention.windows.Window refuses."""
+    if window is None:
+        return [None] * len(kinds)
+    if "L" not in kinds:
+        raise ValueError(f"window={window!r} applies to the L layers, and layer_pattern {kinds} has none")
+    w = Window(window, window_kind)
+    return [w if kind == "L" else None for kind in kinds]
+
+
+def _scheme_module(scheme, users: int, name: str, embed_ok: bool) -> nn.Module:
+    """The module a scheme argument registers: the instance, or an ``nn.ModuleList`` of one instance per layer that
+    uses it (``users``). Raises ValueError: a list of another length or of several classes; a scheme that embeds
+    positions built per layer, or beside another scheme (``embed_ok`` False)."""
+    per_layer = isinstance(scheme, (list, tuple))
+    kinds = {type(s) for s in scheme} if per_layer else {type(scheme)}
+    if per_layer and (len(scheme) != users or len(kinds) != 1):
+        raise ValueError(f"{len(scheme)} schemes of {len(kinds)} classes for the {users} layers of {name}: give one "
+                         "scheme, or one per layer of one class")
+    embeds = type(scheme[0] if per_layer else scheme).embed is not PositionalScheme.embed
+    if embeds and per_layer:
+        raise ValueError(f"{type(scheme[0]).__name__} adds positions to the embeddings, once: it cannot "
+                         "be built per layer")
+    if embeds and not embed_ok:
+        raise ValueError(f"{type(scheme[0] if per_layer else scheme).__name__} adds positions to the embeddings, once, "
+                         "before the first layer: it cannot be the scheme of some layers only")
+    return nn.ModuleList(scheme) if per_layer else scheme

@@ -1,0 +1,5 @@
+"""The process a run lives in: device and threads (device), torchrun ranks (dist), one GPU per sweep job (gpus), stop
+signals (signals), one training process per run folder (runlock), and wandb behind one object (tracking).
+
+Imports nothing of posbench outside this wing: every other wing may use it. Start with device.py and dist.py.
+"""
