@@ -22,8 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
-from posbench.attention import dispatch as attention
-from posbench.attention import flex
+from posbench.attention import blockwise, choice, dense, dispatch, flex
 from posbench.model.build import build_model
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 
@@ -115,9 +114,9 @@ def reference(name, scheme, q, k, v, pos, rows=None):
 
 def run(scheme, q, k, v, pos, kernel=None):
     """The kernel's attention: context once, the scheme's rotation, then attend."""
-    ctx = attention.context(scheme, pos, H, q.dtype, kernel=kernel)
+    ctx = dispatch.context(scheme, pos, H, q.dtype, kernel=kernel)
     q, k = scheme.rotate(q, k, ctx.rotation)
-    return attention.attend(q, k, v, ctx)
+    return dispatch.attend(q, k, v, ctx)
 
 
 def qkv(T: int, B: int = 2, Dh: int = DH, seed: int = 0, scale: float = 1.5):
@@ -129,7 +128,7 @@ def qkv(T: int, B: int = 2, Dh: int = DH, seed: int = 0, scale: float = 1.5):
 def kernels_of(name: str) -> list[str | None]:
     """The kernels that apply to a scheme here without compiling (None: the one the context chooses)."""
     scheme = make_scheme(name)
-    auto = attention.choose_kernel(scheme, torch.device("cpu"), torch.float32, 0.0, grad=False)
+    auto = choice.choose_kernel(scheme, torch.device("cpu"), torch.float32, 0.0, grad=False)
     return ([None] if auto != "flex" else []) + ["dense"] + (["folded"] if scheme.key_only_bias else []) + \
         ([] if scheme.has_bias else ["causal"])
 
@@ -142,8 +141,8 @@ IDS = [f"{name}-{kernel or 'auto'}" for name, kernel in CASES]
 def small_blocks(monkeypatch):
     """Folded blocks of 5 queries and dense blocks of 7 (for H heads and T keys): many blocks, a ragged last one."""
     def set_for(T):
-        monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
-        monkeypatch.setattr(attention, "BIAS_ELEMENTS", H * T * 7)
+        monkeypatch.setattr(blockwise, "FOLD_QUERIES", 5)
+        monkeypatch.setattr(dense, "BIAS_ELEMENTS", H * T * 7)
     return set_for
 
 
@@ -178,9 +177,9 @@ def test_alibi_is_precise_at_8192_positions(offset, kernel):
     pos = torch.arange(T) + offset
     rows = torch.tensor([0, 1, 255, 256, 300, 4095, 4096, 4200, T - 257, T - 2, T - 1])
     with torch.no_grad():
-        ctx = attention.context(scheme, pos, H, kernel=None if kernel == "banded" else kernel)
-        y = attention.attend(q, k, v, ctx)
-    assert ctx.kernel == kernel and len(ctx.blocks) == T // attention.FOLD_QUERIES
+        ctx = dispatch.context(scheme, pos, H, kernel=None if kernel == "banded" else kernel)
+        y = dispatch.attend(q, k, v, ctx)
+    assert ctx.kernel == kernel and len(ctx.blocks) == T // blockwise.FOLD_QUERIES
     assert_close(y[:, :, rows].double(), reference("alibi", scheme, q, k, v, pos, rows), **TOL)
 
 
@@ -233,27 +232,27 @@ def test_memory_stays_bounded_at_a_long_window(kernel, monkeypatch):
     """At 4096 tokens no intermediate (context and attention, SDPA restricted to its fused kernel, which keeps
     no score matrix) has more elements than max(bias budget, the padded q/k/v): far below T² = 16.8 M."""
     T, B = 4096, 1
-    monkeypatch.setattr(attention, "BIAS_ELEMENTS", H * T * 64)  # dense: blocks of 64 queries
+    monkeypatch.setattr(dense, "BIAS_ELEMENTS", H * T * 64)  # dense: blocks of 64 queries
     scheme = make_scheme("alibi")
     q, k, v = qkv(T, B=B, seed=3)
     pos = torch.arange(T)
     spy = LargestTensor()
     shapes = []
-    real_dense_mask = attention.dense_mask
+    real_dense_mask = blockwise.dense_mask
 
     def dense_mask(*args):
         mask = real_dense_mask(*args)
         shapes.append(mask.shape)
         return mask
 
-    monkeypatch.setattr(attention, "dense_mask", dense_mask)
+    monkeypatch.setattr(blockwise, "dense_mask", dense_mask)
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION), spy:
         y = run(scheme, q, k, v, pos, kernel)
-    bound = max(attention.BIAS_ELEMENTS, attention.FOLD_QUERIES * (T + attention.FOLD_QUERIES), B * H * T * (DH + 1))
+    bound = max(dense.BIAS_ELEMENTS, blockwise.FOLD_QUERIES * (T + blockwise.FOLD_QUERIES), B * H * T * (DH + 1))
     assert spy.largest <= bound, f"largest intermediate {spy.shape}"
     assert spy.largest * 8 < T * T  # linear in T (Q · T at most), not quadratic
     if kernel == "dense":
-        assert len(shapes) == math.ceil(T / 64) and all(math.prod(s) <= attention.BIAS_ELEMENTS for s in shapes)
+        assert len(shapes) == math.ceil(T / 64) and all(math.prod(s) <= dense.BIAS_ELEMENTS for s in shapes)
     rows = torch.tensor([0, 17, 2000, T - 1])
     assert_close(y[:, :, rows].double(), reference("alibi", scheme, q, k, v, pos, rows), **TOL)
 
@@ -316,7 +315,7 @@ def test_flex_on_cpu_matches_float64_reference(name, T, flex_cpu):
 
 def test_flex_refuses_a_backward_on_cpu():
     with pytest.raises(ValueError, match="FlexAttention"):
-        attention.context(make_scheme("alibi"), torch.arange(L), H, kernel="flex")
+        dispatch.context(make_scheme("alibi"), torch.arange(L), H, kernel="flex")
 
 
 # ---- which kernel, chosen from class attributes -----------------------------------------------------------
@@ -329,29 +328,29 @@ def test_kernel_is_chosen_from_class_attributes_without_probing(name, monkeypatc
         monkeypatch.setattr(scheme, "score_mod", lambda *a: pytest.fail("score_mod was called for a scheme without bias"))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     train, evaluate = {"alibi": ("folded", "banded")}.get(name, ("causal", "causal"))  # ALiBi: −m·(i − j) as a table
-    assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, True) == train
-    assert attention.choose_kernel(scheme, cpu, torch.float32, 0.0, False) == evaluate
-    assert attention.context(scheme, torch.arange(L), H).kernel == train  # (gradients on here)
+    assert choice.choose_kernel(scheme, cpu, torch.float32, 0.0, True) == train
+    assert choice.choose_kernel(scheme, cpu, torch.float32, 0.0, False) == evaluate
+    assert dispatch.context(scheme, torch.arange(L), H).kernel == train  # (gradients on here)
     with torch.no_grad():
-        assert attention.context(scheme, torch.arange(L), H).kernel == evaluate
-        assert attention.context(scheme, torch.arange(L).flip(0), H).kernel == train  # banded needs increasing ones
+        assert dispatch.context(scheme, torch.arange(L), H).kernel == evaluate
+        assert dispatch.context(scheme, torch.arange(L).flip(0), H).kernel == train  # banded needs increasing ones
     with torch.no_grad():
         run(scheme, *qkv(L), torch.arange(L))
-    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    monkeypatch.setattr(flex, "cpu_compiles", True)
     fused = "flex" if flex.flex_attention is not None else "dense"
     if type(scheme).has_bias:
-        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.0, True) == fused  # training and evaluation
-        assert attention.choose_kernel(scheme, cuda, torch.bfloat16, 0.1, True) == "dense"  # Flex has no dropout
-        assert attention.choose_kernel(scheme, cpu, torch.bfloat16, 0.0, True) == "dense"  # no fold in 8-bit mantissas
+        assert choice.choose_kernel(scheme, cuda, torch.bfloat16, 0.0, True) == fused  # training and evaluation
+        assert choice.choose_kernel(scheme, cuda, torch.bfloat16, 0.1, True) == "dense"  # Flex has no dropout
+        assert choice.choose_kernel(scheme, cpu, torch.bfloat16, 0.0, True) == "dense"  # no fold in 8-bit mantissas
     not_key_only = LinearBiasDense(H * DH, H)  # CPU: Flex evaluates it (measured faster than dense), dense trains it
-    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == fused
-    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, True) == "dense"
-    monkeypatch.setattr(attention, "_flex_cpu_works", False)  # Flex failed to compile here before
-    assert attention.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == "dense"
+    assert choice.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == fused
+    assert choice.choose_kernel(not_key_only, cpu, torch.float32, 0.0, True) == "dense"
+    monkeypatch.setattr(flex, "cpu_compiles", False)  # Flex failed to compile here before
+    assert choice.choose_kernel(not_key_only, cpu, torch.float32, 0.0, False) == "dense"
     with pytest.raises(ValueError):
-        attention.context(not_key_only, torch.arange(L), H, kernel="folded")
+        dispatch.context(not_key_only, torch.arange(L), H, kernel="folded")
     with pytest.raises(ValueError):
-        attention.context(scheme, torch.arange(L), H, kernel="sparse")
+        dispatch.context(scheme, torch.arange(L), H, kernel="sparse")
 
 
 @pytest.mark.parametrize("name", ["rope", "alibi"])
@@ -385,13 +384,66 @@ def test_flex_that_fails_to_compile_on_cpu_falls_back_to_dense(monkeypatch, capl
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(flex, "_compiled", broken)
-    monkeypatch.setattr(attention, "_flex_cpu_works", True)
+    monkeypatch.setattr(flex, "cpu_compiles", True)
     scheme = make_scheme("toy-dense")
     q, k, v = qkv(L, seed=8)
     pos = torch.arange(L)
     with torch.no_grad(), caplog.at_level("WARNING", logger="posbench"):
-        assert attention.context(scheme, pos, H).kernel == "flex"
+        assert dispatch.context(scheme, pos, H).kernel == "flex"
         y = run(scheme, q, k, v, pos)
-        assert attention.context(scheme, pos, H).kernel == "dense"
+        assert dispatch.context(scheme, pos, H).kernel == "dense"
     assert "no C++ compiler found" in caplog.text
     assert_close(y.double(), reference("toy-dense", scheme, q, k, v, pos), **TOL)
+
+
+# ---- one predicate for SDPA's fused CPU kernel; a scheme's own dense block height -----------------------------------
+
+
+def test_one_predicate_says_where_the_fused_cpu_kernel_runs(monkeypatch):
+    """``blockwise.fused_cpu`` (CPU, float32/float64, torch's fused kernel present) is what the kernel choice and the
+    remap kernel both ask: where it says no, neither the banded kernel nor the remap's fused plan is chosen."""
+    from posbench.attention import remap_kernel
+    from posbench.attention.remap import Remap
+
+    cpu = torch.device("cpu")
+    assert blockwise.fused_cpu(torch.float32, cpu) and blockwise.fused_cpu(torch.float64, cpu)
+    assert not blockwise.fused_cpu(torch.bfloat16, cpu) and not blockwise.fused_cpu(torch.float32, torch.device("cuda"))
+    scheme, rerope = make_scheme("t5"), Remap("rerope", window=4)
+    remap_kernel.fused_plan.cache_clear()
+    assert choice.choose_kernel(scheme, cpu, torch.float32, 0.0, False) == "banded"
+    assert remap_kernel.prepare(scheme, rerope, 4 * L, torch.float32, cpu).plan is not None
+    monkeypatch.setattr(blockwise, "fused_cpu", lambda dtype, device: False)
+    assert choice.choose_kernel(scheme, cpu, torch.float32, 0.0, False) not in ("banded", "causal")
+    assert remap_kernel.prepare(scheme, rerope, 4 * L, torch.float32, cpu).plan is None
+
+
+class Rows(PositionalScheme):
+    """A bias of i and j (not of i − j alone: −0.1·(h + 1)·(i − j) + 0.01·i) whose ``dense_rows`` asks for blocks of
+    3 queries on CPU without gradients: FIRE's hook, on a scheme the kernels know nothing else of."""
+
+    has_bias = True
+
+    @classmethod
+    def dense_rows(cls, grad, device):
+        return 3 if not grad and device.type == "cpu" else None
+
+    def score_mod(self, score, h, q_pos, k_pos):
+        return score - 0.1 * (h + 1) * (q_pos - k_pos) + 0.01 * q_pos
+
+
+def test_a_schemes_own_dense_rows_set_the_dense_kernels_blocks():
+    """Evaluated on CPU, a scheme whose ``dense_rows`` gives 3 runs the dense kernel in blocks of 3 queries, each
+    block's mask built as the layer runs it (none kept in the context), and attends as the naive softmax with its bias
+    does; with gradients it gives None and the blocks are the budget's again."""
+    scheme, T = Rows(H * DH, H), 10
+    q, k, v = qkv(T, seed=4)
+    with torch.no_grad():
+        ctx = dispatch.context(scheme, torch.arange(T), H)
+        assert ctx.kernel == "dense" and ctx.blocks == [(0, 3), (3, 6), (6, 9), (9, 10)] and ctx.masks is None
+        y = dispatch.attend(q, k, v, ctx)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    bias = torch.stack([-0.1 * (h + 1) * (i - j) + 0.01 * i for h in range(H)]).to(q.dtype)  # (H, T, T)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(DH) + bias
+    expect = scores.masked_fill(j > i, float("-inf")).softmax(-1) @ v
+    assert_close(y, expect, **TOL)
+    assert dispatch.context(scheme, torch.arange(T), H).blocks == dense.dense_blocks(T, H)  # (gradients on)

@@ -30,7 +30,7 @@ import torch
 from torch.testing import assert_close
 
 from helpers import refused, run_into, snapshot, train_here
-from posbench.attention import dispatch as attention
+from posbench.attention import choice, dense, dispatch
 from posbench.model import build, memory
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
 from posbench.schemes.cope import UNFILLED_NPOS
@@ -56,9 +56,9 @@ def qkv(T: int, seed: int = 0, scale: float = 1.5, B: int = 2, dtype=torch.float
 
 
 def run(scheme, q, k, v, dropout: float = 0.0) -> torch.Tensor:
-    ctx = attention.context(scheme, torch.arange(q.shape[2]), H, q.dtype, dropout)
+    ctx = dispatch.context(scheme, torch.arange(q.shape[2]), H, q.dtype, dropout)
     assert ctx.kernel == "contextual"
-    return attention.attend(q, k, v, ctx)
+    return dispatch.attend(q, k, v, ctx)
 
 
 # ---- the formula, twice --------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_the_model_matches_the_formula(T, per_layer, monkeypatch):
             clamps.append(clamped)
             return y.to(q.dtype)
 
-        monkeypatch.setattr(attention, "attend", reference)
+        monkeypatch.setattr(dispatch, "attend", reference)
         want = model(idx)
     assert len(seen) == 2 and len({id(s) for s in seen}) == (2 if per_layer else 1)
     assert (max(clamps) > 0) == (T > L)
@@ -204,7 +204,7 @@ def test_a_new_cope_model_computes_nope_s_logits():
 def test_a_later_token_does_not_change_earlier_outputs(queries_per_block, monkeypatch):
     T = 4 * L
     if queries_per_block:
-        monkeypatch.setattr(attention, "CONTEXT_ELEMENTS", 2 * H * T * queries_per_block)
+        monkeypatch.setattr(dense, "CONTEXT_ELEMENTS", 2 * H * T * queries_per_block)
     s = make_cope()
     q, k, v = qkv(T, seed=1)
     with torch.no_grad():
@@ -252,7 +252,7 @@ def test_query_blocks_give_the_one_block_result(queries_per_block, monkeypatch):
 
     one, one_grads = output_and_grads()
     budget = B * H * T * queries_per_block
-    monkeypatch.setattr(attention, "CONTEXT_ELEMENTS", budget)
+    monkeypatch.setattr(dense, "CONTEXT_ELEMENTS", budget)
     sizes, hook = [], s.contextual_bias
 
     def spy(q_block, scores):
@@ -382,7 +382,7 @@ def test_the_kernel_is_chosen_from_the_class_attribute():
         for dtype in (torch.float32, torch.bfloat16):
             for dropout in (0.0, 0.1):
                 for grad in (False, True):
-                    assert attention.choose_kernel(s, device, dtype, dropout, grad) == "contextual"
+                    assert choice.choose_kernel(s, device, dtype, dropout, grad) == "contextual"
     for training in (False, True):
         assert memory.kernel_for("cope", "cpu", training) == "contextual"
         assert memory.kernel_for("cope", "cuda", training, dropout=0.1) == "contextual"
@@ -454,7 +454,7 @@ def test_the_memory_estimate_knows_the_contextual_kernel():
         train, evaluate = (memory.step_bytes(spec, B, T, "contextual", training=training, device="cpu")["attention"]
                            for training in (True, False))
         kept = train - evaluate  # what training keeps: the training estimate less one block's temporaries
-        pairs = B * H * sum((e - s) * e for s, e in attention.contextual_blocks(B, H, T))  # the scores built
+        pairs = B * H * sum((e - s) * e for s, e in dense.contextual_blocks(B, H, T))  # the scores built
         assert pairs >= B * H * T * T / 2
         # 28 bytes for every pair of every layer, and per query two rows of q·e[n] (npos = T + 1 here)
         assert n_layer * 28 * pairs <= kept <= n_layer * (32 * pairs + 2 * 4 * (T + 2) * B * H * T), T
@@ -463,6 +463,6 @@ def test_the_memory_estimate_knows_the_contextual_kernel():
     # evaluation: one block at a time, bounded by the budget whatever the length
     spec["scheme"]["npos"] = 129
     for T in (8192, 65536):
-        block = memory.CONTEXT_TEMPORARIES * attention.CONTEXT_ELEMENTS * 4
+        block = memory.CONTEXT_TEMPORARIES * dense.CONTEXT_ELEMENTS * 4
         got = memory.step_bytes(spec, 1, T, "contextual", training=False, device="cpu")["attention"]
         assert block <= got <= 1.1 * block

@@ -91,7 +91,7 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
     compiled kernel, logs nothing; Dynamo's callback list is left as it was."""
     if flex.flex_attention is None:
         pytest.skip("torch.nn.attention.flex_attention is missing (torch < 2.5)")
-    monkeypatch.setattr(dispatch, "_flex_cpu_works", True)
+    monkeypatch.setattr(flex, "cpu_compiles", True)
     monkeypatch.setattr(flex, "_compiled", None)
     flex.reset_compiled()
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def test_the_compile_message_comes_when_flex_compiles_and_only_then(caplog, monk
         with torch.no_grad(), caplog.at_level(logging.INFO, logger="posbench"):
             ctx = dispatch.context(scheme, torch.arange(T), 4, kernel="flex")
             dispatch.attend(q, k, v, ctx)
-            if not dispatch._flex_cpu_works:
+            if not flex.cpu_compiles:
                 pytest.skip(f"compiled FlexAttention does not run on this CPU: {caplog.text[-300:]}")
             first = [r.getMessage() for r in caplog.records]
             caplog.clear()

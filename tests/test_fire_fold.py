@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from helpers import paper_bias
-from posbench.attention import dispatch, flex
+from posbench.attention import choice, dispatch, flex
 from posbench.model.gpt import GPT
 from posbench.schemes import build_scheme
 from posbench.schemes.fire import Fire
@@ -117,6 +117,28 @@ def test_score_mod_and_pair_bias_are_the_mlps_bias(monkeypatch, rows, where):
         assert_close(pb, paper_bias("fire", s, q).detach(), rtol=1e-9, atol=1e-9)
 
 
+class SquareRootFire(Fire):
+    """FIRE with ψ(x) = √|c·x| (a monotone ψ of another shape): what a variant of FIRE changes in one place."""
+
+    def psi(self, x):
+        return (self.c * x.to(self.c.dtype)).abs().sqrt()
+
+
+def test_the_sheared_bias_reads_x_from_the_one_definition_of_the_mlps_input():
+    """The sheared layout (consecutive positions) takes x = ψ(i − j) / ψ(max(L_thr, i)) from :meth:`Fire.psi` and
+    :meth:`Fire.normaliser`, as ``mlp_input`` does: a FIRE whose ψ is redefined gets its sheared bias from the new ψ,
+    equal to the MLP's bias at the new x (and unlike the original FIRE's), to 1e-12 in float64."""
+    q, k = torch.arange(24, 31), torch.arange(0, 31)  # a dense kernel's block
+    base = awkward_fire()
+    other = SquareRootFire(H * DH, H, base.config).to(torch.float64)
+    other.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        sheared, want = other.sheared_bias(q, k, other.fold()), other.looked_up_bias(q, k, other.fold())
+        assert_close(sheared, want, rtol=1e-12, atol=1e-12)
+        assert_close(sheared, other.mlp_bias(q, k), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(sheared, base.sheared_bias(q, k, base.fold()))
+
+
 def test_float32_pair_bias_is_the_float64_bias_to_rounding():
     s64 = awkward_fire()
     s32 = awkward_fire().float()
@@ -176,7 +198,7 @@ def test_evaluation_past_the_threshold_is_the_mlps(monkeypatch, T):
     net = fire_model()
     idx = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
     kernels = []
-    choose = dispatch.choose_kernel
+    choose = choice.choose_kernel
     monkeypatch.setattr(dispatch, "choose_kernel", lambda *a, **k: kernels.append(choose(*a, **k)) or kernels[-1])
     with torch.no_grad():
         got = net(idx)  # (2, T, V)
@@ -193,7 +215,7 @@ def test_compiled_flex_on_cpu_with_the_folds_score_mod_is_the_dense_bias(monkeyp
     """Compiled Flex (CPU, no gradients) with FIRE's own score_mod, the fold (the MLP's unrolled sum made to fail, so
     it cannot be what ran), against the dense kernel's bias and a float64 attention; then again after the parameters
     change, through a new context (which refreshes the fold)."""
-    if not dispatch._flex_cpu_works:
+    if not flex.cpu_compiles:
         pytest.skip("FlexAttention does not compile on this machine")
     flex.reset_compiled()  # (a dynamic-shape variant left by earlier tests did not compile on CPU in torch 2.13)
     s, T = awkward_fire(dtype=torch.float32), 48
@@ -216,7 +238,7 @@ def test_compiled_flex_on_cpu_with_the_folds_score_mod_is_the_dense_bias(monkeyp
             with monkeypatch.context() as m:
                 m.setattr(Fire, "score_mod_mlp", fail)
                 got = dispatch.attend(q, k, v, ctx)
-            assert dispatch._flex_cpu_works, "Flex fell back to the dense kernel"
+            assert flex.cpu_compiles, "Flex fell back to the dense kernel"
             want = reference()
         assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
         assert_close(dense.double(), want, rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from posbench.attention import dispatch, flex
+from posbench.attention import blockwise, choice, dispatch, flex
 from posbench.schemes import build_scheme
 
 pytestmark = pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
@@ -149,7 +149,7 @@ def test_every_layouts_score_mod_gives_the_dense_bias(name, kind, where):
     T = 40
     s, pos = scheme_of(name), positions(where, T)
     with torch.no_grad():
-        table = dispatch.distance_table(s, pos, torch.float64).double()  # (H, N)
+        table = blockwise.distance_table(s, pos, torch.float64).double()  # (H, N)
         laid = flex.layout_table(table, pos, kind)
         got = grid_bias(flex.score_mod(s, pos, laid, kind), T)
     assert laid.shape == {"shared": table.shape, "residue": (H, flex.RESIDUES, table.shape[1]), "pair": (H, T, T)}[kind]
@@ -191,7 +191,7 @@ def test_every_layout_passes_the_same_gradient_to_the_distance_table(name, kind)
     g = torch.Generator().manual_seed(1)
     q, k, v, cot = (torch.randn(2, H, T, DH, generator=g, dtype=torch.float64) for _ in range(4))
     with torch.no_grad():
-        base = dispatch.distance_table(s, pos, torch.float64).double()  # (H, N), N > T: some distances unused
+        base = blockwise.distance_table(s, pos, torch.float64).double()  # (H, N), N > T: some distances unused
     table = base.clone().requires_grad_()
     inputs = [table, *(t.requires_grad_() for t in (q, k, v))]
     mod = flex.score_mod(s, pos, flex.layout_table(table, pos, kind), kind)
@@ -205,7 +205,7 @@ def test_every_layout_passes_the_same_gradient_to_the_distance_table(name, kind)
 # ---- the context ------------------------------------------------------------------------------------------------------
 def flex_training(monkeypatch):
     """Flex with gradients on CPU (its eager math backward), as tests/test_flex_tables.py runs it."""
-    monkeypatch.setattr(dispatch, "flex_backward", lambda device: True)
+    monkeypatch.setattr(choice, "flex_backward", lambda device: True)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention, backend=aot_autograd(
         fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=lambda gm, _: make_boxed_func(gm.forward))))
@@ -228,7 +228,7 @@ def test_context_trains_the_table_in_the_chosen_layout_and_evaluates_it_shared(m
     q, k, v, cot = (torch.randn(2, H, T, DH, generator=g) for _ in range(4))
     params = [*(t.requires_grad_() for t in (q, k, v)), *s.parameters()]
     got = torch.autograd.grad((dispatch.attend(q, k, v, ctx) * cot).sum(), params)
-    table = dispatch.distance_table(s, pos, torch.float64).double()
+    table = blockwise.distance_table(s, pos, torch.float64).double()
     want = torch.autograd.grad(attention_loss(dense_bias(table, pos), *(t.double() for t in (q, k, v, cot))), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)

@@ -4,7 +4,7 @@ Inductor's own check of that backward graph (the one that refused FIRE on CUDA),
 kernels between schemes and raises rather than fall back to Flex's eager form.
 
 Flex has no backward on CPU in torch, which refuses inputs that need gradients: the backward tests lift that refusal
-(``dispatch.flex_backward`` and torch's device check) and run Flex's eager math backward through ``aot_autograd``,
+(``choice.flex_backward`` and torch's device check) and run Flex's eager math backward through ``aot_autograd``,
 which also hands over the backward graph that Inductor would lower on a GPU.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-from posbench.attention import dispatch, flex
+from posbench.attention import blockwise, choice, dense, dispatch, flex
 from posbench.model.gpt import GPT
 from posbench.schemes import build_scheme
 
@@ -54,12 +54,12 @@ def test_the_distance_table_gives_every_pair_its_bias(name, positions):
     g = torch.Generator().manual_seed(3)
     pos = torch.arange(1000, 1000 + T) if positions == "shifted" else torch.randperm(400, generator=g)[:T].sort().values
     with torch.no_grad():
-        got = dispatch.dense_mask(s, pos, H, 0, T, torch.float64)  # (H, T, T), −inf above the diagonal
+        got = blockwise.dense_mask(s, pos, H, 0, T, torch.float64)  # (H, T, T), −inf above the diagonal
     want = naive_bias(s, pos)
     lower = torch.ones(T, T, dtype=torch.bool).tril()
     torch.testing.assert_close(got[:, lower], want[:, lower], rtol=1e-6, atol=1e-6)
     assert torch.isneginf(got[:, ~lower]).all()
-    assert dispatch.distance_table(s, pos, torch.float32).shape == (H, int(pos[-1] - pos[0]) + 1)
+    assert blockwise.distance_table(s, pos, torch.float32).shape == (H, int(pos[-1] - pos[0]) + 1)
 
 
 def test_fires_matmul_bias_is_its_unrolled_score_mod(monkeypatch):
@@ -83,7 +83,7 @@ def flex_training(monkeypatch):
         graphs.append(gm)
         return gm.forward
 
-    monkeypatch.setattr(dispatch, "flex_backward", lambda device: True)
+    monkeypatch.setattr(choice, "flex_backward", lambda device: True)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention,
                                                                    backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)))
@@ -164,10 +164,10 @@ def test_four_flex_schemes_share_compiled_kernels_and_never_fall_back(monkeypatc
     """T5, KERPLE, Sandwich and per-layer FIRE evaluated at three lengths in one process, as a sweep's worker does:
     a handful of compiled variants (Dynamo's default limit is 8 per process), never the dense kernel; and once the
     limit is reached, a new variant raises instead of running Flex's eager form."""
-    if not dispatch._flex_cpu_works:
+    if not flex.cpu_compiles:
         pytest.skip("FlexAttention does not compile on this machine")
     flex.reset_compiled()
-    monkeypatch.setattr(dispatch, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
+    monkeypatch.setattr(dispatch, "dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
     monkeypatch.setattr(dispatch, "choose_kernel", lambda *args: "flex")  # as on CUDA (CPU evaluates the tables banded)
     before = counters["frames"]["ok"]
     with torch.no_grad():
@@ -211,9 +211,9 @@ def test_a_gpu_takes_larger_blocks_of_contextual_scores():
     """CoPE's blocks of scores: the CPU budget on CPU, a 16× larger one on CUDA (CPU-sized blocks leave a GPU
     launch-bound)."""
     B, T = 4, 2048
-    cpu, cuda = dispatch.contextual_blocks(B, H, T, "cpu"), dispatch.contextual_blocks(B, H, T, "cuda")
-    assert max(e - s for s, e in cpu) * B * H * T <= dispatch.CONTEXT_ELEMENTS
-    assert max(e - s for s, e in cuda) * B * H * T <= dispatch.CONTEXT_ELEMENTS_CUDA
+    cpu, cuda = dense.contextual_blocks(B, H, T, "cpu"), dense.contextual_blocks(B, H, T, "cuda")
+    assert max(e - s for s, e in cpu) * B * H * T <= dense.CONTEXT_ELEMENTS
+    assert max(e - s for s, e in cuda) * B * H * T <= dense.CONTEXT_ELEMENTS_CUDA
     assert len(cpu) >= 16 * len(cuda) and cpu[-1][1] == cuda[-1][1] == T
 
 

@@ -29,8 +29,7 @@ from torch.testing import assert_close
 
 from helpers import kept_torch_state
 from naive_gpt import naive_logits
-from posbench.attention import dispatch as attention
-from posbench.attention import flex
+from posbench.attention import choice, dispatch, flex
 from posbench.attention.windows import Window, expand_pattern
 from posbench.data import batches
 from posbench.evaluation import results
@@ -56,7 +55,7 @@ def no_flex_unless_asked(monkeypatch):
     """Without POSBENCH_TEST_FLEX=1 the kernels that would compile FlexAttention on CPU (FIRE evaluated past its
     threshold) take the dense kernel, as on a CPU where Flex does not compile."""
     if not FLEX:
-        monkeypatch.setattr(attention, "_flex_cpu_works", False)
+        monkeypatch.setattr(flex, "cpu_compiles", False)
 
 
 def hf_visible(window: Window | None, q_idx, kv_idx):
@@ -163,9 +162,9 @@ def run_kernel(scheme, q, k, v, pos, window, sink, kernel, grad):
     """The context (as the model builds it: span T for positions 0…T−1) and attend's output."""
     span = pos.numel() if int(pos[-1] - pos[0]) == pos.numel() - 1 else None  # (the model's: T for 0…T−1)
     with torch.set_grad_enabled(grad):
-        ctx = attention.context(scheme, pos, H, torch.float32, 0.0, kernel=kernel, span=span, window=window,
+        ctx = dispatch.context(scheme, pos, H, torch.float32, 0.0, kernel=kernel, span=span, window=window,
                                 sink=sink is not None)
-        return ctx, attention.attend(q, k, v, ctx, sink)
+        return ctx, dispatch.attend(q, k, v, ctx, sink)
 
 
 def check_kernels(name, T, window, with_sink, grad, pos) -> list[str]:
@@ -235,21 +234,21 @@ def test_window_kernel_choice_on_cpu(name):
     for grad in (False, True):
         for sink in (False, True):
             with torch.set_grad_enabled(grad):
-                ctx = attention.context(scheme, pos, H, span=37, window=Window(8), sink=sink)
+                ctx = dispatch.context(scheme, pos, H, span=37, window=Window(8), sink=sink)
                 assert (ctx.kernel, ctx.chunk) == ("banded", None), (grad, sink)
                 for C in (8, 12):
-                    ctx = attention.context(scheme, pos, H, span=37, window=Window(C, "chunked"), sink=sink)
+                    ctx = dispatch.context(scheme, pos, H, span=37, window=Window(C, "chunked"), sink=sink)
                     assert ctx.chunk == C and ctx.window is None, (grad, sink, C)
     with torch.no_grad():  # a window as long as the sequence hides nothing: the causal choice of before
-        assert attention.context(make_scheme("nope", 37), pos, H, span=37, window=Window(37)).kernel == "causal"
+        assert dispatch.context(make_scheme("nope", 37), pos, H, span=37, window=Window(37)).kernel == "causal"
 
 
 @pytest.mark.skipif(flex.flex_attention is None, reason="FlexAttention needs torch >= 2.5")
 def test_flex_on_cpu_takes_both_windows(monkeypatch):
     """Compiled FlexAttention with the window's BlockMask (FIRE past its threshold: a bias of i and j), in the default
     suite (the broader forced-Flex cases above run with POSBENCH_TEST_FLEX=1): sliding and chunked, at T = 80."""
-    monkeypatch.setattr(attention, "_flex_cpu_works", True)
-    monkeypatch.setattr(attention, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
+    monkeypatch.setattr(flex, "cpu_compiles", True)
+    monkeypatch.setattr(dispatch, "dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
     scheme, T = make_scheme("fire", 80), 80
     g = torch.Generator().manual_seed(5)
     q, k, v = (1.5 * torch.randn(2, H, T, DH, generator=g) for _ in range(3))
@@ -268,7 +267,7 @@ def test_flex_trains_a_sink_through_its_log_sum_exp(monkeypatch, window):
     v and the sink against the float64 attention, for ALiBi with each window."""
     import torch.nn.attention.flex_attention as torch_flex
 
-    monkeypatch.setattr(attention, "flex_backward", lambda device: True)
+    monkeypatch.setattr(choice, "flex_backward", lambda device: True)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(flex, "_compiled", torch.compile(torch_flex.flex_attention, backend="aot_eager"))
     scheme, T = make_scheme("alibi", 40), 40
@@ -293,8 +292,8 @@ def test_flex_on_cpu_pads_short_lengths(monkeypatch):
     CPU kernel returned wrong values at T ≡ 8 (mod 16) there on this project's AMD EPYC. FIRE past its threshold at
     T = 24 and 40 against the float64 attention, and the padding itself."""
     assert [flex.cpu_padding(T) for T in (8, 24, 32, 40, 100, 127, 128, 136)] == [8, 8, 0, 8, 12, 1, 0, 0]
-    monkeypatch.setattr(attention, "_flex_cpu_works", True)
-    monkeypatch.setattr(attention, "_dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
+    monkeypatch.setattr(flex, "cpu_compiles", True)
+    monkeypatch.setattr(dispatch, "dense", lambda *args: pytest.fail("the dense kernel ran instead of Flex"))
     for T in (24, 40):
         scheme = make_scheme("fire", T)
         g = torch.Generator().manual_seed(T)
@@ -311,22 +310,22 @@ def test_kernels_that_take_no_sink_or_window_refuse_them():
     with torch.no_grad():
         if flex.flex_attention is not None:
             with pytest.raises(ValueError):
-                attention.context(alibi, pos, H, span=37, kernel="flex", sink=True)
+                dispatch.context(alibi, pos, H, span=37, kernel="flex", sink=True)
         with pytest.raises(ValueError):
-            attention.context(alibi, pos, H, span=37, kernel="folded", window=Window(8))
+            dispatch.context(alibi, pos, H, span=37, kernel="folded", window=Window(8))
         with pytest.raises(ValueError):
-            attention.context(alibi, pos, H, span=37, kernel="folded", sink=True)
+            dispatch.context(alibi, pos, H, span=37, kernel="folded", sink=True)
         with pytest.raises(ValueError):
-            attention.context(alibi, pos, H, span=37, kernel="folded", window=Window(8, "chunked"), sink=True)
-        ctx = attention.context(alibi, pos, H, span=37)
+            dispatch.context(alibi, pos, H, span=37, kernel="folded", window=Window(8, "chunked"), sink=True)
+        ctx = dispatch.context(alibi, pos, H, span=37)
         with pytest.raises(ValueError):  # causal takes no sliding window (a chunked one runs causal on its chunks)
-            attention.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", window=Window(8))
-        chunked = attention.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", window=Window(8, "chunked"))
+            dispatch.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", window=Window(8))
+        chunked = dispatch.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", window=Window(8, "chunked"))
         assert (chunked.kernel, chunked.chunk) == ("causal", 8)
     with pytest.raises(ValueError):  # causal with a sink: from SDPA's log-sum-exp, so only evaluating on CPU
-        attention.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", sink=True)
+        dispatch.context(make_scheme("nope", 37), pos, H, span=37, kernel="causal", sink=True)
     with pytest.raises(ValueError):  # a context without a sink, attend with one
-        attention.attend(*(torch.randn(1, H, 37, DH) for _ in range(3)), ctx, torch.zeros(H))
+        dispatch.attend(*(torch.randn(1, H, 37, DH) for _ in range(3)), ctx, torch.zeros(H))
 
 
 # ---- 3. a one-layer windowed model sees its window only ---------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from posbench.attention import dispatch as attention
+from posbench.attention import blockwise, dense, dispatch
 from posbench.model.build import build_model
 from posbench.model.gpt import GPT, Attention
 from posbench.schemes import SCHEMES, build_scheme
@@ -54,9 +54,9 @@ def test_causal_with_many_bias_blocks(kernel, monkeypatch):
     """ALiBi's query-blocked kernels (several blocks, ragged last block) are causal too."""
     model = tiny_gpt("alibi")
     T = 4 * L
-    monkeypatch.setattr(attention, "choose_kernel", lambda *args: kernel)
-    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
-    monkeypatch.setattr(attention, "BIAS_ELEMENTS", 2 * T * 5)  # 5 queries per block with 2 heads
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda *args: kernel)
+    monkeypatch.setattr(blockwise, "FOLD_QUERIES", 5)
+    monkeypatch.setattr(dense, "BIAS_ELEMENTS", 2 * T * 5)  # 5 queries per block with 2 heads
     idx = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         base = model(idx)
@@ -107,7 +107,7 @@ def test_attention_matches_naive(name, T, offset):
     x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(T))
     pos = torch.arange(T) + offset
     with torch.no_grad():
-        assert_close(attn(x, attention.context(scheme, pos, 4)).double(), naive_attention(attn, scheme, x, pos),
+        assert_close(attn(x, dispatch.context(scheme, pos, 4)).double(), naive_attention(attn, scheme, x, pos),
                      atol=2e-5, rtol=1e-4)
 
 
@@ -120,8 +120,8 @@ def test_bias_kernels_in_query_blocks_match_naive(queries_per_block, n_head, ker
     T, d_model = 23, 8 * n_head
     attn, scheme = make_attention("alibi", d_model=d_model, n_head=n_head)
     budget = n_head * T * queries_per_block
-    monkeypatch.setattr(attention, "BIAS_ELEMENTS", budget)
-    monkeypatch.setattr(attention, "FOLD_QUERIES", queries_per_block)
+    monkeypatch.setattr(dense, "BIAS_ELEMENTS", budget)
+    monkeypatch.setattr(blockwise, "FOLD_QUERIES", queries_per_block)
     calls = []
     real_score_mod = scheme.score_mod
 
@@ -134,7 +134,7 @@ def test_bias_kernels_in_query_blocks_match_naive(queries_per_block, n_head, ker
     x = torch.randn(2, T, d_model, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(T) + 3
     with torch.no_grad():
-        y = attn(x, attention.context(scheme, pos, n_head, kernel=kernel))
+        y = attn(x, dispatch.context(scheme, pos, n_head, kernel=kernel))
     monkeypatch.setattr(scheme, "score_mod", real_score_mod)
     assert_close(y.double(), naive_attention(attn, scheme, x, pos), atol=2e-5, rtol=1e-4)
     assert len(calls) == math.ceil(T / min(T, queries_per_block))  # one bias block per query block, no probe
@@ -204,13 +204,13 @@ def test_attention_dropout_is_its_own_option(monkeypatch):
     """``dropout`` drops the embeddings and residual branches only; ``attn_dropout`` alone reaches the attention
     contexts (so a bias scheme keeps FlexAttention on CUDA under residual dropout), in training mode only."""
     seen = []  # the dropout of every attention context made
-    real = attention.context
+    real = dispatch.context
 
     def spy(scheme, pos, n_head, dtype=torch.float32, dropout=0.0, **kwargs):
         seen.append(dropout)
         return real(scheme, pos, n_head, dtype, dropout, **kwargs)
 
-    monkeypatch.setattr(attention, "context", spy)
+    monkeypatch.setattr(dispatch, "context", spy)
     idx = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(0))
     spec = {"vocab_size": VOCAB, "scheme": {"name": "alibi"},
             "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.1, "attn_dropout": 0.0}}

@@ -32,7 +32,7 @@ from torch.testing import assert_close
 
 from helpers import paper_bias, t5_bucket_by_hand
 from posbench import cli
-from posbench.attention import dispatch as attention
+from posbench.attention import blockwise, choice, dispatch
 from posbench.config.checks import ConfigError
 from posbench.config.schema import finalize, to_dict
 from posbench.model import build
@@ -121,8 +121,8 @@ def reference(name, s, q, k, v, pos):
 
 
 def run(scheme, q, k, v, pos, kernel=None):
-    ctx = attention.context(scheme, pos, H, q.dtype, kernel=kernel)
-    return attention.attend(q, k, v, ctx), ctx.kernel
+    ctx = dispatch.context(scheme, pos, H, q.dtype, kernel=kernel)
+    return dispatch.attend(q, k, v, ctx), ctx.kernel
 
 
 def qkv(T: int, seed: int = 0, scale: float = 1.5, B: int = 2):
@@ -143,7 +143,7 @@ def test_bias_is_the_paper_formula(name, offset):
     pos = torch.arange(T) + offset
     want = loop_bias(name, s, pos)
     with torch.no_grad():
-        got = attention.dense_mask(s, pos, H, 0, T, torch.float32).double()  # (H, T, T), −inf above
+        got = blockwise.dense_mask(s, pos, H, 0, T, torch.float32).double()  # (H, T, T), −inf above
         causal = ~torch.isnan(want)
         assert torch.isinf(got[~causal]).all()
         assert_close(got[causal], want[causal], atol=1e-5, rtol=1e-5)
@@ -161,7 +161,7 @@ def test_t5_buckets_follow_the_paper(B, M):
     assert s.weight.shape == (B, H) and s.buckets.tolist() == [t5_bucket_by_hand(n, B, M) for n in range(M + 1)]
     pos = torch.arange(3 * M)
     with torch.no_grad():
-        bias = attention.dense_mask(s, pos, H, 0, 3 * M, torch.float32)  # (H, T, T)
+        bias = blockwise.dense_mask(s, pos, H, 0, 3 * M, torch.float32)  # (H, T, T)
     for n in [0, 1, B // 2, M - 1, M, M + 1, 3 * M - 1]:  # distance n: query n against key 0
         assert torch.equal(bias[:, n, 0], s.weight[t5_bucket_by_hand(n, B, M)])
 
@@ -189,7 +189,7 @@ def test_attention_matches_float64_reference(name, T, kernel):
     with torch.no_grad():
         y, used = run(s, q, k, v, pos, kernel)
         within = name == "fire" and T - 1 <= L  # FIRE's every query within its threshold: a bias of i − j alone
-        assert used == (kernel or ("banded" if within else attention.choose_kernel(s, torch.device("cpu"), torch.float32,
+        assert used == (kernel or ("banded" if within else choice.choose_kernel(s, torch.device("cpu"), torch.float32,
                                                                                    0.0, False)))
         assert_close(y.double(), reference(name, s, q, k, v, pos), **TOL)
 
@@ -199,8 +199,8 @@ def test_the_model_s_kernel_choice(name):
     s = make_scheme(name)
     assert type(s).has_bias and not type(s).key_only_bias
     cpu = torch.device("cpu")
-    assert attention.choose_kernel(s, cpu, torch.float32, 0.0, True) == "dense"  # CPU training
-    evaluation = attention.choose_kernel(s, cpu, torch.float32, 0.0, False)
+    assert choice.choose_kernel(s, cpu, torch.float32, 0.0, True) == "dense"  # CPU training
+    evaluation = choice.choose_kernel(s, cpu, torch.float32, 0.0, False)
     if name in INVARIANT:  # a per-distance table: the banded kernel (fused CPU attention with a sliding mask)
         assert evaluation == "banded"
     else:  # FIRE past its threshold: blocks of its folded pair_bias
@@ -213,7 +213,7 @@ def test_fire_within_its_learned_threshold_is_evaluated_from_a_table_per_distanc
     ψ(L_thr)): the banded kernel, blocks of 5 queries, positions 0…T−1 + 9, equal to the float64 reference. With the
     learned multiplier at 0.5 the same window crosses L_thr and keeps the bias of every pair; with gradients (training)
     it keeps it too."""
-    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+    monkeypatch.setattr(blockwise, "FOLD_QUERIES", 5)
     s = make_scheme("fire", threshold=4 * L)
     with torch.no_grad():
         s.multiplier.fill_(multiplier)
@@ -221,11 +221,11 @@ def test_fire_within_its_learned_threshold_is_evaluated_from_a_table_per_distanc
     q, k, v = qkv(T, seed=13)
     pos = torch.arange(T) + 9  # the last position, 3L + 8, is within 4L and past 2L
     with torch.no_grad():
-        ctx = attention.context(s, pos, H, q.dtype)
-        y = attention.attend(q, k, v, ctx)
+        ctx = dispatch.context(s, pos, H, q.dtype)
+        y = dispatch.attend(q, k, v, ctx)
     assert ctx.kernel == kernel
     assert_close(y.double(), reference("fire", s, q, k, v, pos), **TOL)
-    assert attention.context(s, pos, H, q.dtype).kernel == "dense"  # gradients on: the bias of every pair
+    assert dispatch.context(s, pos, H, q.dtype).kernel == "dense"  # gradients on: the bias of every pair
 
 
 @pytest.mark.parametrize("positions", ["offset", "random"])
@@ -234,15 +234,15 @@ def test_the_banded_kernel_over_many_blocks_and_far_keys(name, positions, monkey
     """CPU evaluation of the per-distance biases: blocks of 5 queries, T = 4L, positions 0…T−1 + 9 (one mask pattern
     for every block) or random increasing ones (a mask per block); T5 with max_distance 6, so most keys of most
     blocks are far (constant bias, unmasked, merged by log-sum-exp). Equal to the float64 reference."""
-    monkeypatch.setattr(attention, "FOLD_QUERIES", 5)
+    monkeypatch.setattr(blockwise, "FOLD_QUERIES", 5)
     s = make_scheme(name, **({"num_buckets": 4, "max_distance": 6} if name == "t5" else {}))
     T = 4 * L
     q, k, v = qkv(T, seed=11)
     g = torch.Generator().manual_seed(5)
     pos = torch.arange(T) + 9 if positions == "offset" else torch.randperm(3 * T, generator=g)[:T].sort().values
     with torch.no_grad():
-        ctx = attention.context(s, pos, H, q.dtype)
-        y = attention.attend(q, k, v, ctx)
+        ctx = dispatch.context(s, pos, H, q.dtype)
+        y = dispatch.attend(q, k, v, ctx)
     assert ctx.kernel == "banded" and len(ctx.blocks) == -(-T // 5)
     assert ctx.far == (6 if name == "t5" else T)
     if positions == "offset":  # one (H, Q, Q + D − 1) pattern, a view of H · (2Q + D − 2) numbers: no T × T anywhere
@@ -256,7 +256,7 @@ def test_the_banded_kernel_over_many_blocks_and_far_keys(name, positions, monkey
 def test_the_banded_kernel_refuses_positions_that_do_not_increase():
     pos = torch.arange(L).flip(0)
     with pytest.raises(ValueError, match="increasing positions"):
-        attention.context(make_scheme("t5"), pos, H, kernel="banded")
+        dispatch.context(make_scheme("t5"), pos, H, kernel="banded")
 
 
 @pytest.mark.parametrize("kernel", [None, "dense"], ids=["auto", "dense"])
@@ -299,7 +299,7 @@ def test_fire_depends_on_the_query_position():
     T = 4 * L
     s = make_scheme("fire")
     with torch.no_grad():
-        bias = attention.dense_mask(s, torch.arange(T), H, 0, T, torch.float64)  # (H, T, T)
+        bias = blockwise.dense_mask(s, torch.arange(T), H, 0, T, torch.float64)  # (H, T, T)
         assert_close(bias[:, 5, 2], bias[:, 9, 6])  # i = 5, 9 < L: same distance, same bias
         assert not torch.allclose(bias[:, L + 20, L + 17], bias[:, 5, 2])  # i past L: normalised by ψ(i)
         q, k, v = qkv(T, seed=2)
@@ -389,7 +389,7 @@ def test_kerple_parameters_stay_positive_whatever_the_optimiser_does(name):
         assert (s.r1() > 0).all() and (s.r2() > 0).all()
         if name == "kerple_power":
             assert (s.r2() <= 2).all()
-        bias = attention.dense_mask(s, torch.arange(4 * L), H, 0, 4 * L, torch.float32)
+        bias = blockwise.dense_mask(s, torch.arange(4 * L), H, 0, 4 * L, torch.float32)
         assert not torch.isnan(bias).any() and (bias[torch.isfinite(bias)] <= 0).all()
 
 

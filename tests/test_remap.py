@@ -24,9 +24,10 @@ import re
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import eval_here, refused, snapshot
-from posbench.attention import remap
+from posbench.attention import blockwise, remap, remap_kernel
 from posbench.attention.remap import Remap
 from posbench.schemes import build_scheme
 
@@ -110,20 +111,20 @@ def reference_attention(method: Remap, q, k, v, score) -> torch.Tensor:
 
 
 def use(kernel: str, monkeypatch) -> None:
-    """Route ``remap.attend`` through ``kernel``: SDPA's fused one per block (``regions`` or ``rotated``, on CPU), it in
+    """Route ``remap_kernel.attend`` through ``kernel``: SDPA's fused one per block (``regions`` or ``rotated``, on CPU), it in
     blocks of 24 queries (…, "blocks of 24": blocks that end mid-window, a short last one), or the per-pair scores
     (CUDA's and bf16's, "per pair")."""
     if kernel == "per pair":
-        monkeypatch.setattr(remap, "fused_here", lambda *args: False)
+        monkeypatch.setattr(blockwise, "fused_cpu", lambda *args: False)
     elif kernel.endswith("blocks of 24"):
-        monkeypatch.setattr(remap, "FUSED_QUERIES", 24)
+        monkeypatch.setattr(remap_kernel, "FUSED_QUERIES", 24)
 
 
 def run(scheme, method: Remap, q, k, v, kernel: str = "fused", sink=None) -> torch.Tensor:
-    """``remap.attend`` in float64 (q's dtype), having checked that ``kernel`` (see :func:`use`) is the one that runs."""
-    prepared = remap.prepare(scheme, method, q.shape[2], q.dtype, q.device)
+    """``remap_kernel.attend`` in float64 (q's dtype), having checked that ``kernel`` (see :func:`use`) is the one that runs."""
+    prepared = remap_kernel.prepare(scheme, method, q.shape[2], q.dtype, q.device)
     assert (prepared.plan is not None) == (kernel != "per pair")
-    return remap.attend(q, k, v, scheme, prepared, sink)
+    return remap_kernel.attend(q, k, v, scheme, prepared, sink)
 
 
 def qkv(T: int, seed: int):
@@ -292,7 +293,7 @@ def test_a_model_with_a_remap_that_hides_nothing_is_the_model():
         assert changed[:, :8].max() < 1e-12 and changed[:, 8:].max() > 1e-6  # (GPT-2's initialisation: small logits)
 
 
-QUERIES_PLUS = remap.FUSED_QUERIES // 2 + 1  # T = 3·(Q/2 + 1): blocks that end mid-window
+QUERIES_PLUS = remap_kernel.FUSED_QUERIES // 2 + 1  # T = 3·(Q/2 + 1): blocks that end mid-window
 
 
 def test_defaults_are_the_papers_scaled_to_L():
@@ -341,7 +342,8 @@ def test_settings_that_would_change_nothing_are_refused(method, options, message
 def test_a_remap_a_scheme_cannot_take_is_refused(scheme, method, message):
     from omegaconf import OmegaConf
 
-    from posbench.config.checks import ConfigError, remap_values
+    from posbench.config.checks import ConfigError
+    from posbench.config.eval_checks import remap_values
     from posbench.config.schema import EvalConfig, ModelConfig
 
     e = OmegaConf.merge(OmegaConf.structured(EvalConfig), {"remap": method, "lengths": [16, 64]})
@@ -434,3 +436,65 @@ def test_the_remaps_preset_sweeps_every_method_with_and_without_a_temperature():
     params = cfg.hydra.sweeper.params
     assert params["eval.remap"].split(",") == list(remap.METHODS)
     assert params["model.attn_scale"].split(",") == ["none", "log_n_clipped"] and list(cfg.eval.probes) == ["context"]
+
+
+# ---- the plan's bookkeeping: spans without host reads, masks made once ----------------------------------------------
+
+
+class Ops(TorchDispatchMode):
+    """The ATen operators run inside it, by name (``aten.nonzero``, ``aten._local_scalar_dense``: a host read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.method)
+def test_a_regions_keys_in_a_block_are_those_its_pairs_span(method):
+    """``Remap.key_span`` against every pair's region (``region_of``): for blocks of 1, 7 and 64 queries anywhere in
+    a window of 16L, the first and last key any query of the block sees in each region (or none)."""
+    T = 16 * L
+    region = method.region_of(torch.arange(T)[:, None], torch.arange(T)[None, :])  # (T, T)
+    for Q in (1, 7, 64):
+        for s in range(0, T, Q):
+            e = min(T, s + Q)
+            for r in range(method.regions()):
+                keys = (region[s:e] == r).any(0).nonzero()[:, 0].tolist()
+                lo, hi = method.key_span(r, s, e)
+                assert (lo, hi) == (keys[0], keys[-1] + 1) if keys else hi <= lo, (Q, s, r, lo, hi, keys[:3], keys[-3:])
+
+
+@pytest.mark.parametrize("scheme_name", ["rope", "alibi"])
+def test_preparing_the_per_pair_kernel_reads_nothing_back_per_block(scheme_name, monkeypatch):
+    """The per-pair kernel's blocks (CUDA's, bf16's) find each region's keys without a host read per block: a window
+    of ten times as many blocks reads back from the device as often as one of one block."""
+    monkeypatch.setattr(blockwise, "fused_cpu", lambda *args: False)
+    scheme = build_scheme(scheme_name, d_model=H * DH, n_head=H)
+    reads = []
+    for T in (remap_kernel.QUERIES, 10 * remap_kernel.QUERIES):
+        with Ops() as ops:
+            prepared = remap_kernel.prepare(scheme, Remap("self_extend", window=8, group=4), T, torch.float32, "cpu")
+        assert len(prepared.blocks) == T // remap_kernel.QUERIES
+        reads.append(sum(n in ("aten.nonzero", "aten._local_scalar_dense", "aten.item") for n in ops.names))
+    assert reads[0] == reads[1], reads
+
+
+def test_the_rotated_kernel_makes_a_mixed_pieces_mask_once_per_dtype():
+    """Self-Extend's plan has pieces where its regions mix; the rotated kernel's float mask of each is made on the
+    first pass and kept with the plan: a second pass (every layer, every batch of one length) makes none."""
+    remap_kernel.fused_plan.cache_clear()
+    scheme, method, T = build_scheme("rope", d_model=H * DH, n_head=H), Remap("self_extend", window=8, group=4), 8 * L
+    q, k, v = qkv(T, seed=5)
+    prepared = remap_kernel.prepare(scheme, method, T, q.dtype, q.device)
+    assert any(inside for block in prepared.plan for *_, inside, _ in block.pieces)  # (mixed pieces to mask)
+    made, outputs = [], []
+    for _ in range(2):
+        with Ops() as ops:
+            outputs.append(remap_kernel.attend(q, k, v, scheme, prepared))
+        made.append(ops.names.count("aten.masked_fill_"))
+    assert made[0] > 0 and made[1] == 0, made
+    assert torch.equal(outputs[0], outputs[1])

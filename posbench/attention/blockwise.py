@@ -41,7 +41,7 @@ them the sink as one more key (:func:`with_sink`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,13 @@ FOLD_QUERIES = 256  # folded and banded: queries per block; |query − c| ≤ 12
 # SDPA's fused CPU kernel, which also returns each query's log-sum-exp (B, H, Tq); no gradient flows through
 # the log-sum-exp, so it serves evaluation only. A private ATen op (torch ≥ 2.2): None where it is missing.
 flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_cpu(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether SDPA's fused CPU kernel (:data:`flash_cpu`) can run here: on CPU, activations in float32 or float64
+    (an 8-bit mantissa would round a bias that the kernels fold or slide), where torch has it. The one predicate of
+    the kernel choice (posbench/attention/choice.py) and of the remap kernels (posbench/attention/remap_kernel.py)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64) and flash_cpu is not None
 
 
 def distances(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -213,6 +220,17 @@ class RegionBlock:
     keys: list
     pieces: list
     runs: list
+    masks: dict = field(default_factory=dict, repr=False)  # (piece, region, dtype) → :meth:`piece_mask`'s
+
+    def piece_mask(self, piece: int, region: int, pairs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Region ``region``'s float mask over mixed piece ``piece`` (1, 1, e − s, j1 − j0): 0 at its ``pairs``, −inf
+        elsewhere; and the block's queries with none of those pairs (e − s,) bool. Made once per dtype and kept with
+        the plan (:func:`rotated` runs every layer and pass of one window length on it)."""
+        key = (piece, region, dtype)
+        if key not in self.masks:
+            mask = torch.zeros(pairs.shape, dtype=dtype, device=pairs.device).masked_fill_(~pairs, float("-inf"))
+            self.masks[key] = (mask[None, None], ~pairs.any(1))
+        return self.masks[key]
 
 
 def region_plan(region_blocks, regions: int, offsets: list[torch.Tensor] | None = None) -> list[RegionBlock]:
@@ -308,16 +326,14 @@ def rotated(qs: list[torch.Tensor], ks: list[torch.Tensor], v: torch.Tensor, pla
     for block in plan:
         s, e = block.s, block.e
         queries, ys, lses = {}, [], []  # per region the block has: its queries, rows reversed as the plan's
-        for region, j0, j1, _, inside, _ in block.pieces:
+        for piece, (region, j0, j1, _, inside, _) in enumerate(block.pieces):
             for r, pairs in inside or [(region, None)]:
                 if r not in queries:
                     queries[r] = qs[r][:, :, s:e].flip(2)  # (B, H, e-s, Dh)
-                mask = None if pairs is None else torch.zeros(pairs.shape, dtype=v.dtype, device=v.device).masked_fill_(
-                    ~pairs, float("-inf"))[None, None]  # (1, 1, e-s, j1-j0)
+                mask, empty = block.piece_mask(piece, r, pairs, v.dtype) if pairs is not None else (None, None)
                 y, lse = flash_cpu(queries[r], ks[r][:, :, j0:j1], v[:, :, j0:j1], 0.0, False, attn_mask=mask)
-                if pairs is not None:  # a query with no key here: lse −inf and y 0 for the merge (SDPA leaves them
-                    empty = ~pairs.any(1)  # (e-s,)                                             # undefined)
-                    lse, y = lse.masked_fill(empty, float("-inf")), y.masked_fill(empty[:, None], 0.0)
+                if pairs is not None:  # a query with no key here (empty): lse −inf and y 0 for the merge (SDPA leaves
+                    lse, y = lse.masked_fill(empty, float("-inf")), y.masked_fill(empty[:, None], 0.0)  # them undefined)
                 ys.append(y)
                 lses.append(lse)  # (B, H, e-s)
         lse = torch.logsumexp(torch.stack(lses), 0)  # (B, H, e-s)

@@ -81,6 +81,7 @@ class Options:
 
 
 OPTIONS = Options()  # read by :func:`kernel_options` and attention.context (replace it, or set its fields)
+cpu_compiles = True  # set False (posbench/attention/dispatch.py) when compiled Flex fails on this CPU: dense instead
 VARIANTS = 64  # Dynamo's cache entries allowed for flex_attention in a process (its default, 8, is 2–3 schemes)
 _compiled = None
 _compile_callbacks = torch._dynamo.callback.callback_handler  # Dynamo's compile-start hooks (:func:`run`)

@@ -3,7 +3,8 @@ training length, each keeping every distance a model reads within what it traine
 
 Each method splits the causal pairs (query i, key j ≤ i; d = i − j; indices in the evaluation window) into regions,
 the pairs it hides in none, and scores region r at remapped positions (P_q^r(i), P_k^r(j)) — each a function of i or
-of j alone. The softmax runs once over every region's scores (:func:`attend`), so a query's attention is exactly
+of j alone. The softmax runs once over every region's scores (posbench/attention/remap_kernel.py), so a query's
+attention is exactly
 one distribution over the keys it sees. For a rotary scheme a region's positions turn the query and the key
 (``scheme.rotation``/``rotate`` with separate key tables); for a bias scheme they are what the bias reads
 (``scheme.pair_bias``); NoPE and the schemes that add positions to the embeddings (sinusoidal, learned) read no
@@ -31,19 +32,16 @@ code at c, which this follows; the code's later temperature for lengths past L, 
 is not part of it).
 
     remap = Remap("self_extend", window=32, group=32)
-    model.remap = remap     # posbench/model/gpt.py: every layer's attention then runs :func:`attend`
+    model.remap = remap     # posbench/model/gpt.py: every layer's attention then runs remap_kernel.attend
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
-
-from posbench.attention import blockwise
 
 METHODS = ("none", "streaming", "lm_infinite", "rerope", "leaky_rerope", "self_extend", "dca")  # eval.remap
 PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label order
@@ -56,8 +54,6 @@ PARAMETERS = {  # each method's options (eval.remap_options.<name>), in label or
 }
 SHORT = {"sinks": "S", "recent": "R", "n_local": "local", "n_global": "global", "d_max": "dmax", "window": "w",
          "leak": "k", "group": "G", "chunk": "c"}  # in labels: rope@rerope(w16)
-QUERIES = 64  # queries per block of :func:`attend`'s scores
-FUSED_QUERIES = 128  # queries per block of SDPA's fused kernel (:func:`fused_here`; fewer calls beat smaller masks)
 
 
 @dataclass(kw_only=True)
@@ -86,7 +82,7 @@ class Options:
 @dataclass(unsafe_hash=True)
 class Remap(Options):
     """One method with its parameters (:class:`Options`'; see the module docstring; None where the method has no such
-    parameter): ``Remap("self_extend", window=32, group=32)``. Hashed by its fields (:func:`fused_plan` keeps plans by
+    parameter): ``Remap("self_extend", window=32, group=32)``. Hashed by its fields (``remap_kernel.fused_plan`` keeps plans by
     it): not changed once built."""
 
     method: str
@@ -119,6 +115,20 @@ class Remap(Options):
             if far is not None:
                 region.masked_fill_(~(near | far), -1)
         return region.masked_fill_(j > i, -1)
+
+    def key_span(self, region: int, s: int, e: int) -> tuple[int, int]:
+        """[lo, hi): the keys from the first to the last that queries s … e − 1 see in ``region`` (hi ≤ lo: none),
+        from the region's bounds in i − j and j as :meth:`region_of` draws them, without reading any tensor."""
+        m = self.method
+        if m == "dca":  # chunks of p = c − w keys: intra ⌊j/p⌋ = ⌊i/p⌋, successive one chunk behind, inter two or more
+            p = int(self.period)
+            first, last = s // p, (e - 1) // p
+            return ((first * p, e), ((max(first, 1) - 1) * p, last * p), (0, (last - 1) * p))[region]
+        near, sinks = (self.recent + 1, self.sinks) if m == "streaming" else (self.n_local, self.n_global) \
+            if m == "lm_infinite" else (self.window, e)  # near: i − j < near; far: j < sinks and i − j ≥ near
+        if region == 0:
+            return max(0, s - int(near) + 1), e
+        return 0, min(int(sinks), e - int(near))
 
     def positions(self, region: int, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(P_q (T,), P_k (T,)) float64: the positions of queries i = 0 … T − 1 and keys j = 0 … T − 1 in ``region``."""
@@ -255,145 +265,3 @@ def defaults(method: str, train_length: int, longest: int) -> dict:
                          f"L={L} (⌊(T − 1)/G⌋ + W − W/G ≤ L − 1 with W a multiple of G): give eval.remap_options.window "
                          "and eval.remap_options.group, or shorter lengths")
     return {}
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme, prepared: Prepared,
-           sink: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over every region's scores (see the module docstring) · v, one block of :data:`QUERIES` queries at a
-    time, each region's scores only over the keys its pairs span in the block; ``sink`` (H,) joins each denominator.
-    The regions' scores merge by an elementwise maximum (each pair is in one region, −inf elsewhere) and the softmax
-    runs in place, so a block holds two score buffers at most.
-
-    On CPU in float32/float64 (``prepared.plan``) SDPA's fused kernel runs instead (posbench/attention/blockwise.py): for a bias
-    of the distance alone, or none, one call per block with a float mask read from each region's bias vector
-    (``regions``); for a rotary scheme, one call per region and piece of keys, merged by log-sum-exp (``rotated``).
-    Everything else (a bias of i and j such as FIRE's, CUDA, bf16) runs the scores below.
-
-    q, k, v: (B, H, T, Dh), q and k not rotated; ``prepared``: :func:`prepare`'s for this T → (B, H, T, Dh)."""
-    if prepared.plan is not None and scheme.rotary:
-        qs, ks = zip(*(scheme.rotate(q, k, t[1], t[2]) for t in prepared.tables))
-        return blockwise.rotated(list(qs), list(ks), v, prepared.plan, sink)
-    if prepared.plan is not None:
-        return blockwise.regions(q, k, v, prepared.tables, prepared.plan, sink)
-    B, H, T, Dh = q.shape
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    scale = 1.0 / math.sqrt(Dh)
-    turned = [_turn(scheme, q, k, t) for t in prepared.tables]  # per region: (q_r, k_r, bias_r or None)
-    out = torch.empty_like(q)
-    for s, e, parts in prepared.blocks:
-        scores = torch.full((B, H, e - s, e), float("-inf"), dtype=dtype, device=q.device)
-        for r, lo, hi, outside in parts:
-            q_r, k_r, bias = turned[r]
-            part = (q_r[:, :, s:e] @ k_r[:, :, lo:hi].transpose(-1, -2)).to(dtype).mul_(scale)  # (B, H, Q, hi − lo)
-            if bias is not None:
-                part += bias(s, e, lo, hi)
-            view = scores[..., lo:hi]
-            torch.maximum(view, part.masked_fill_(outside, float("-inf")), out=view)
-            del part
-        top = scores.amax(-1, keepdim=True)  # (B, H, Q, 1)
-        if sink is not None:
-            top = torch.maximum(top, sink.to(dtype)[None, :, None, None])
-        total = scores.sub_(top).exp_().sum(-1, keepdim=True)
-        if sink is not None:
-            total += (sink.to(dtype)[None, :, None, None] - top).exp()
-        out[:, :, s:e] = scores.div_(total).to(v.dtype) @ v[:, :, :e]
-    return out
-
-
-@dataclass
-class Prepared:
-    """What :func:`attend` needs for one window length, made once per forward pass and shared by the layers.
-
-    tables: per region, ``("rotate", query tables, key tables)`` for a rotary scheme, ``("bias", P_q, P_k)`` for a bias
-        scheme, None for a scheme that reads no position per pair; with ``plan`` and not rotary, the bias vector
-        (H, U) of its distances (``Remap.distance_index``; zeros (1, U) for no bias).
-    blocks: per block of queries [s, e): (s, e, [(region, lo, hi, the pairs among keys lo…hi − 1 *not* in it
-        (e − s, hi − lo) bool), …]), each region that has pairs in the block.
-    plan: on CPU in float32/float64 (:func:`fused_here`) for a rotary scheme, a bias of the distance alone or none:
-        posbench/attention/blockwise.py's ``region_plan`` (then ``blocks`` is empty), else None.
-    """
-
-    tables: list
-    blocks: list
-    plan: list | None = None
-
-
-def prepare(scheme, remap: Remap, T: int, dtype: torch.dtype, device) -> Prepared:
-    """The :class:`Prepared` of ``scheme`` under ``remap`` for a window of T: each region's rotation tables
-    (``scheme.rotation`` at its positions, one centre for the queries' and the keys'), bias positions or bias vector,
-    and each block's regions and the keys they span (the fused kernels' plan, the same for every pass of one T, is
-    kept: :func:`fused_plan`)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    fused = fused_here(dtype, device)
-    if fused and not scheme.rotary and (not scheme.has_bias or scheme.distance_table or scheme.translation_invariant):
-        plan, distances = fused_plan(remap, T, device, True, FUSED_QUERIES)
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        vectors = [scheme.pair_bias(_integral(D), zero, dtype)[:, :, 0].detach().to(dtype).contiguous()
-                   if scheme.has_bias else torch.zeros(1, D.numel(), dtype=dtype, device=device)
-                   for D in distances]  # (H, U_r) each (no gradient: an evaluation); no bias: zeros
-        return Prepared(vectors, [], plan)
-    tables = []
-    for r in range(remap.regions()):
-        qp, kp = remap.positions(r, T, device)
-        if scheme.rotary:
-            both = torch.cat((qp, kp))
-            centre = float(both.min() + both.max()) / 2
-            tables.append(("rotate", scheme.rotation(qp, dtype, centre), scheme.rotation(kp, dtype, centre)))
-        elif scheme.has_bias:
-            tables.append(("bias", _integral(qp), _integral(kp)))
-        else:
-            tables.append(None)
-    if fused and scheme.rotary:
-        return Prepared(tables, [], fused_plan(remap, T, device, False, FUSED_QUERIES)[0])
-    blocks = []
-    for s, e, region in _region_blocks(remap, T, QUERIES, device):
-        parts = []
-        for r in range(remap.regions()):
-            keys = (region == r).any(0).nonzero()
-            if keys.numel():
-                lo, hi = int(keys[0]), int(keys[-1]) + 1
-                parts.append((r, lo, hi, region[:, lo:hi] != r))
-        blocks.append((s, e, parts))
-    return Prepared(tables, blocks)
-
-
-@functools.lru_cache(maxsize=16)
-def fused_plan(remap: Remap, T: int, device: torch.device, offsets: bool, Q: int) -> tuple[list, list]:
-    """posbench/attention/blockwise.py's ``region_plan`` of ``remap`` at T in blocks of Q queries, with each region's
-    offsets and distances D (``Remap.distance_index``) where ``offsets`` (for ``regions``; ``rotated`` needs none):
-    (plan, [D per region] or []). A function of its arguments alone, so kept for the next pass of the same T
-    (an evaluation scores many batches at each length)."""
-    index = [remap.distance_index(r, T, device) for r in range(remap.regions())] if offsets else []
-    plan = blockwise.region_plan(_region_blocks(remap, T, Q, device), remap.regions(),
-                                 [o for o, _ in index] if offsets else None)
-    return plan, [D for _, D in index]
-
-
-def _region_blocks(remap: Remap, T: int, Q: int, device: torch.device):
-    """(s, e, each pair's region (e − s, e) int8) per block of Q queries [s, e)."""
-    for s in range(0, T, Q):
-        e = min(T, s + Q)
-        yield s, e, remap.region_of(torch.arange(s, e, device=device, dtype=torch.int32)[:, None],
-                                    torch.arange(e, device=device, dtype=torch.int32)[None])
-
-
-def fused_here(dtype: torch.dtype, device) -> bool:
-    """Whether :func:`attend` runs SDPA's fused CPU kernel per block (posbench/attention/blockwise.py's ``regions`` for a bias of
-    the distance alone or none, ``rotated`` for a rotary scheme): on CPU, in float32 or float64, where torch has it."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.float64) and blockwise.flash_cpu is not None
-
-
-def _integral(p: torch.Tensor) -> torch.Tensor:
-    """Positions as int64 where they are whole (every bias reads those), else float64 (Leaky ReRoPE's)."""
-    return p.long() if bool((p == p.floor()).all()) else p
-
-
-def _turn(scheme, q, k, table):
-    """(q_r, k_r, bias_r) of one region: q and k turned by its tables, or as they are with its bias function."""
-    if table is None:
-        return q, k, None
-    if table[0] == "rotate":
-        q_r, k_r = scheme.rotate(q, k, table[1], table[2])
-        return q_r, k_r, None
-    qp, kp, dtype = table[1], table[2], torch.promote_types(q.dtype, torch.float32)
-    return q, k, lambda s, e, lo, hi: scheme.pair_bias(qp[s:e], kp[lo:hi], dtype)  # (H, Q, hi − lo)

@@ -234,6 +234,14 @@ class PositionalScheme(nn.Module):
         ``invariant_below_limit`` is set (a host read of learned parameters); −inf here."""
         return -math.inf
 
+    @classmethod
+    def dense_rows(cls, grad: bool, device: torch.device) -> int | None:
+        """Query rows per block in which :meth:`pair_bias` computes a causal layer's bias best when the ``dense``
+        kernel runs it (posbench/attention/builders.py), or None: as many rows as the kernel's budget allows, every
+        block's mask built once per forward pass. A scheme that sets it also evaluates ``dense`` where it holds
+        (posbench/attention/choice.py); FIRE's fold: 64 rows on CPU without gradients."""
+        return None
+
     def contextual_bias(self, q: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The bias a contextual scheme adds to the scores of one block of queries, before the softmax: zeros here.
 

@@ -103,16 +103,31 @@ class Fire(PositionalScheme):
     def invariant_limit(self) -> float:
         """L_thr = |multiplier · threshold|, as :meth:`mlp_input` computes it: every query at a position up to it has
         the normaliser ψ(L_thr), so the bias is f_θ(ψ(i − j) / ψ(L_thr)), a function of i − j alone."""
-        return float((self.multiplier * self.config.threshold).abs())
+        return float(self.threshold_now())
+
+    def threshold_now(self) -> torch.Tensor:
+        """L_thr = |multiplier · threshold|, () in the parameters' dtype: the threshold as trained so far."""
+        return (self.multiplier * self.config.threshold).abs()
+
+    @classmethod
+    def dense_rows(cls, grad: bool, device: torch.device) -> int | None:
+        """:data:`FOLD_ROWS` on CPU without gradients (:meth:`sheared_bias`'s blocks, its fold beating Flex's
+        score_mod there), else None."""
+        return cls.FOLD_ROWS if not grad and device.type == "cpu" else None
 
     def mlp_input(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """x = ψ(i − j) / ψ(max(L_thr, i)) for broadcastable int positions (0-d under Flex), in the parameters'
         dtype: f_θ's input."""
-        c = self.c
-        limit = (self.multiplier * self.config.threshold).abs()  # L_thr, ()
-        rel = torch.log1p((c * (q_pos - k_pos).to(c.dtype)).abs())  # ψ(i − j)
-        norm = torch.log1p((c * torch.maximum(q_pos.to(c.dtype), limit)).abs()) + self.EPS  # ψ(max(L_thr, i))
-        return rel / norm
+        return self.psi(q_pos - k_pos) / self.normaliser(q_pos)
+
+    def psi(self, x: torch.Tensor) -> torch.Tensor:
+        """ψ(x) = log(|c·x| + 1) of positions or distances ``x`` (any shape), in the parameters' dtype."""
+        return torch.log1p((self.c * x.to(self.c.dtype)).abs())
+
+    def normaliser(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """ψ(max(L_thr, i)) + ε of query positions ``q_pos`` (any shape), L_thr = |multiplier · threshold|: the
+        denominator of :meth:`mlp_input`."""
+        return self.psi(torch.maximum(q_pos.to(self.c.dtype), self.threshold_now())) + self.EPS
 
     def fold(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """f_θ as the piecewise-linear function it is: sorted kinks (W,), slopes (H, W + 1) and intercepts (H, W + 1),
@@ -227,19 +242,18 @@ class Fire(PositionalScheme):
         (a sheared layout: the (query, key) block is a strided view of it): the normaliser grows with the query, so
         x falls down each column, and a column whose first and last rows lie in the same segment takes that
         segment's slope and intercept for every row — one multiply-add over the block; the few columns a kink
-        crosses within the block have their rows' segments looked up. Bitwise the x of :meth:`mlp_input`."""
+        crosses within the block have their rows' segments looked up. x from :meth:`psi` and :meth:`normaliser`, as
+        :meth:`mlp_input` computes it: bitwise the same."""
         kinks, slopes, intercepts = folded  # (W,), (H, W+1), (H, W+1)
         c, H, Q, K = self.c, self.n_head, q_pos.numel(), k_pos.numel()
-        limit = (self.multiplier * self.config.threshold).abs()  # L_thr, ()
         d = (q_pos[-1] - k_pos[0]) - torch.arange(Q + K - 1, device=q_pos.device)  # (Q+K−1,): distance of column n
-        psi = torch.log1p((c * d.to(c.dtype)).abs())  # (Q+K−1,): ψ(i − j), as mlp_input
-        norm = torch.log1p((c * torch.maximum(q_pos.to(c.dtype), limit)).abs()) + self.EPS  # (Q,): ψ(max(L_thr, i))
+        rel, norm = self.psi(d), self.normaliser(q_pos)  # (Q+K−1,): ψ(i − j); (Q,): ψ(max(L_thr, i)) + ε
         out = None if Q <= self.FOLD_ROWS else torch.empty(H, Q, K, dtype=c.dtype, device=q_pos.device)
         at = torch.arange(H, device=q_pos.device)[:, None, None] * slopes.shape[1]  # (H, 1, 1): head h's first entry
         for r0 in range(0, Q, self.FOLD_ROWS):
             r1 = min(Q, r0 + self.FOLD_ROWS)
             n = r1 - r0  # rows; column m holds distance pos[r1 − 1] − k_pos[0] − m for each of them
-            x = psi[Q - r1: Q - r1 + K + n - 1] / norm[r0:r1, None]  # (n, K+n−1), non-increasing down each column
+            x = rel[Q - r1: Q - r1 + K + n - 1] / norm[r0:r1, None]  # (n, K+n−1), non-increasing down each column
             first, last = torch.searchsorted(kinks, x[0]), torch.searchsorted(kinks, x[-1])  # (K+n−1,) each
             block = torch.addcmul(intercepts[:, last][:, None, :], slopes[:, last][:, None, :], x)  # (H, n, K+n−1)
             mixed = (first != last).nonzero()[:, 0]  # (m,): columns a kink crosses
