@@ -10,20 +10,23 @@ __version__ = "0.1.0"
 # (wing, its levels bottom to top); "" is the package's own top. "*": the wing's modules no level names (a scheme
 # family file needs no entry). A wing's __init__ is a docstring unless a level names it (the schemes' registry).
 LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
-    # devices and threads, torchrun ranks, one GPU per sweep job, stop signals, the run folder's lock; wandb
-    ("runtime", (("device", "dist", "gpus", "signals", "runlock"), ("tracking",))),
+    # devices and threads, torchrun ranks, free memory, one GPU per sweep job, stop signals, the run folder's lock,
+    # timers; wandb
+    ("runtime", (("device", "dist", "free_memory", "gpus", "signals", "runlock", "timers"), ("tracking",))),
     # the PositionalScheme interface, RoPE's scalings, the scheme families, the registry
     ("schemes", (("base", "rope_scaling"), ("*",), ("__init__",))),
-    # windows and temperatures; the kernels that run SDPA per block; Flex; the remaps; which kernel runs
-    ("attention", (("windows", "temperature"), ("blockwise",), ("flex", "remap"), ("dispatch",))),
+    # windows, temperatures; SDPA per block of queries; Flex, the remap methods; which kernel runs, the plain kernels,
+    # the remap kernel; each kernel's context parts; the context and attend the model calls
+    ("attention", (("windows", "temperature"), ("blockwise",), ("flex", "remap"), ("choice", "dense", "remap_kernel"),
+                   ("builders",), ("dispatch",))),
     # corpora and their splits, the passkey needle; the token-id cache, the training batches
     ("data", (("corpora", "needles"), ("cache", "batches"))),
     # significance tests, perplexity protocols; the probes and the passkey cells; one run's record
     ("evaluation", (("stats", "perplexity"), ("passkey", "context", "retrieval"), ("results",))),
-    # the value checks; the schema and finalize; records of older formats
-    ("config", (("checks",), ("schema",), ("upgrade",))),
-    # the decoder; spec → model; the memory estimate
-    ("model", (("gpt",), ("build",), ("memory",))),
+    # the value checks; the evaluation's and remap's; the schema and finalize; records of older formats
+    ("config", (("checks",), ("eval_checks",), ("schema",), ("upgrade",))),
+    # the tied head and loss in one op; the decoder; spec → model; the memory estimate
+    ("model", (("head",), ("gpt",), ("build",), ("memory",))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
     # many runs: plots; records collected and compared; the report rendered

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from posbench.model import gpt as model_module
+from posbench.model import head
 from posbench.model.build import build_model
-from posbench.model.gpt import HeadNLL, head_dtype, head_rows
+from posbench.model.head import HeadNLL, head_dtype, head_rows
 
 N, D, V = 45, 32, 300
 
@@ -50,7 +50,7 @@ def test_the_path_is_chosen_from_device_dtype_setting_and_autocast():
     assert head_dtype(cuda, f32, True, bf16) == bf16  # the switch on, under autocast: bf16 chunk matmuls
     assert head_dtype(cuda, f32, True) == f32  # … without autocast: float32 ones
     assert head_dtype(cuda, bf16, True, bf16) is None  # (activations not float32: logits)
-    assert model_module.CHUNKED_HEAD_CUDA is False  # off until a GPU probe has measured it
+    assert head.CHUNKED_HEAD_CUDA is False  # off until a GPU probe has measured it
     assert head_rows(cpu, 1000) == 2**20 // 1000 and head_rows(cuda, 1000) == 2**24 // 1000 and head_rows(cpu, 2**21) == 1
 
 
@@ -94,12 +94,12 @@ def test_the_model_takes_the_cuda_path_when_chosen(monkeypatch):
     x, y = idx[:, :-1], idx[:, 1:]
     calls = []
     real = HeadNLL.apply
-    monkeypatch.setattr(model_module, "head_rows", lambda device, vocab: 8)  # several chunks
+    monkeypatch.setattr(head, "head_rows", lambda device, vocab: 8)  # several chunks
     monkeypatch.setattr(HeadNLL, "apply", lambda *args: calls.append(args[3:]) or real(*args))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        monkeypatch.setattr(model_module, "head_dtype", lambda device, dtype, chunked_cuda, autocast: autocast)
+        monkeypatch.setattr(head, "head_dtype", lambda device, dtype, chunked_cuda, autocast: autocast)
         got = net(x, targets=y)
-        monkeypatch.setattr(model_module, "head_dtype", lambda *args: None)  # logits + cross_entropy
+        monkeypatch.setattr(head, "head_dtype", lambda *args: None)  # logits + cross_entropy
         want = plain(x, targets=y)
     assert calls == [(8, True, torch.bfloat16)] and got.dtype == want.dtype == torch.float32
     assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -115,7 +115,7 @@ def test_the_cuda_path_compiles_whole(monkeypatch):
     torch.manual_seed(0)
     spec = {"vocab_size": 97, "model": {"n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32}, "scheme": {"name": "rope"}}
     net = build_model(spec)
-    monkeypatch.setattr(model_module, "head_dtype", lambda device, dtype, chunked_cuda, autocast: autocast)
+    monkeypatch.setattr(head, "head_dtype", lambda device, dtype, chunked_cuda, autocast: autocast)
     idx = torch.randint(0, 97, (2, 17))
     torch._dynamo.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 
 from posbench.model.build import build_model
-from posbench.model.gpt import HeadNLL
+from posbench.model.head import HeadNLL
 
 
 def naive_nll(h, weight, targets):

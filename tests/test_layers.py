@@ -276,3 +276,15 @@ def test_the_test_sees_every_module():
     mods = modules()
     assert {"posbench", "posbench.cli", "posbench.schemes", "posbench.schemes.base", "posbench.model.build"} <= set(mods)
     assert len(mods) == len(list(PACKAGE.rglob("*.py")))
+
+
+def test_no_module_is_over_350_lines_and_a_longer_script_says_why():
+    """Every module of the package is at most 350 lines; a script over 350 lines is named in scripts/README.md, whose
+    reason for it stands there."""
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, f"modules over 350 lines: {long}"
+    scripts = PACKAGE.parent / "scripts"
+    readme = (scripts / "README.md").read_text()
+    for path in sorted(scripts.iterdir()):
+        if path.suffix in (".py", ".sh") and len(path.read_text().splitlines()) > 350:
+            assert f"`{path.name}`" in readme.split("two scripts are longer", 1)[-1], f"{path.name}: say why in scripts/README.md"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from posbench.model import memory
+from posbench.runtime import free_memory
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -111,7 +112,7 @@ def test_causal_attention_is_linear_in_length():
 
 
 def test_check_fits_refuses_a_long_run_with_the_figures(monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    monkeypatch.setattr(free_memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
     what = "train.seq_len=100000 × train.batch_size=16"
     with pytest.raises(memory.MemoryTooSmall) as err:
         memory.check_fits(tiny("rope"), 16, 100_000, "causal", "cpu", what)
@@ -127,14 +128,14 @@ def test_check_fits_refuses_a_long_run_with_the_figures(monkeypatch):
 
 
 def test_check_fits_names_the_dense_kernel(monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    monkeypatch.setattr(free_memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
     with pytest.raises(memory.MemoryTooSmall, match=r"TiB \(attention [0-9.]+ TiB with the dense kernel"):
         memory.check_fits(tiny("t5"), 16, 100_000, "dense", "cpu", "train.seq_len=100000 × train.batch_size=16")
 
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned"])
 def test_check_fits_passes_the_demo_size(monkeypatch, scheme):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
+    monkeypatch.setattr(free_memory, "available_bytes", lambda device: (24 * GiB, "MemAvailable of /proc/meminfo"))
     spec = tiny(scheme)
     if scheme == "learned":
         spec["scheme"]["max_positions"] = 16 * 128
@@ -144,16 +145,16 @@ def test_check_fits_passes_the_demo_size(monkeypatch, scheme):
 
 def test_available_bytes_on_this_machine():
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    free, what = memory.available_bytes("cpu")
+    free, what = free_memory.available_bytes("cpu")
     assert 0 < free <= physical
     if Path("/proc/meminfo").exists():
         assert "MemAvailable" in what or "cgroup" in what
 
 
 def test_available_bytes_falls_back_to_physical_memory(monkeypatch):
-    monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
-    monkeypatch.setattr(memory, "_cgroup_free", lambda: None)
-    assert memory.available_bytes("cpu") == (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    monkeypatch.setattr(free_memory, "_meminfo_available", lambda: None)
+    monkeypatch.setattr(free_memory, "_cgroup_free", lambda: None)
+    assert free_memory.available_bytes("cpu") == (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                                              "physical memory")
 
 
@@ -176,13 +177,13 @@ def test_kernel_for_follows_the_attention_module():
 
 def test_residual_dropout_keeps_flexattention_and_attention_dropout_leaves_it(monkeypatch):
     """The memory check of a CUDA run picks the kernel by ``model.attn_dropout``, not ``model.dropout``: ALiBi under
-    residual dropout alone keeps FlexAttention (as ``dispatch.choose_kernel`` picks it, from class attributes)."""
+    residual dropout alone keeps FlexAttention (as ``choice.choose_kernel`` picks it, from class attributes)."""
     import types
 
     import torch
     from hydra import compose, initialize_config_module
 
-    from posbench.attention import dispatch, flex
+    from posbench.attention import choice, flex
     from posbench.cli import register
     from posbench.config.schema import finalize, to_dict
     from posbench.jobs import train_job
@@ -192,7 +193,7 @@ def test_residual_dropout_keeps_flexattention_and_attention_dropout_leaves_it(mo
     if flex.flex_attention is None:
         pytest.skip("FlexAttention needs torch >= 2.5")
     cuda = torch.device("cuda")
-    assert dispatch.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"
+    assert choice.choose_kernel(SCHEMES["alibi"], cuda, torch.bfloat16, dropout=0.0, grad=True) == "flex"
     assert memory.kernel_for("alibi", "cuda", True, dropout=0.0) == "flex"
     assert memory.kernel_for("alibi", "cuda", True, dropout=0.1) == "dense"
     kernels = []  # (kernel, device) of each memory check
@@ -224,7 +225,7 @@ def test_available_cuda_memory_counts_the_allocator_s_cache_as_free(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", reading((3 * GiB, 80 * GiB)))  # (free, total)
     monkeypatch.setattr(torch.cuda, "memory_reserved", reading(10 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", reading(4 * GiB))
-    free, what = memory.available_bytes("cuda:1")
+    free, what = free_memory.available_bytes("cuda:1")
     assert free == 3 * GiB + (10 - 4) * GiB and "cuda:1" in what
     assert asked == [torch.device("cuda:1")] * 3  # every figure of the run's own device
 
@@ -268,7 +269,7 @@ def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
     from posbench.config.checks import ConfigError
     from posbench.jobs import train_job
 
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (1 << 20, "a 1 MiB test machine"))
+    monkeypatch.setattr(free_memory, "available_bytes", lambda device: (1 << 20, "a 1 MiB test machine"))
     cfg, off = (compose_train(data_cache, *extra) for extra in ([], ["train.check_memory=false"]))
     with pytest.raises(ConfigError, match=r"a 1 MiB test machine.*train\.check_memory=false"):
         train_job.prepare(cfg)

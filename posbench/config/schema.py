@@ -26,7 +26,7 @@ from posbench.attention import remap as remapping
 from posbench.attention.dispatch import QK_NORM_LAYERS, QK_NORMS
 from posbench.attention.temperature import ATTN_SCALES, BETA, SCALE_LAYERS
 from posbench.attention.windows import WINDOW_KINDS
-from posbench.config import checks
+from posbench.config import checks, eval_checks
 from posbench.config.checks import ConfigError, check_choices, check_keys, choices, longest_length
 from posbench.evaluation import context, passkey
 from posbench.schemes import SCHEMES
@@ -296,8 +296,8 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     if training:
         checks.training_data_inert(cfg.data, DataConfig())
     checks.model_values(cfg.model, trained_length or t.seq_len)
-    checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
-    checks.remap_values(cfg.eval, cfg.model, s, t.seq_len, training)
+    eval_checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
+    eval_checks.remap_values(cfg.eval, cfg.model, s, t.seq_len, training)
     checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)
     longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen
     try:
@@ -317,7 +317,8 @@ LAYER_KEYS = ("layer_pattern", "global_scheme", "window", "window_kind", "qk_nor
 SAID_ELSEWHERE = {  # what the first log line of a run or its label already says, and what changes no step
     "train": {"seq_len", "steps", "batch_size", "device", "threads", "log_every", "checkpoint_every", "keep_checkpoints",
               "check_memory", "sync_every", "compile", "precision", "random_positions", "pose", "pose_chunks"},
-    "data": {"cache_dir", "num_proc", "path", "validation", "test", "train_files", "validation_files", "test_files"},
+    "data": {"name", "vocab_size", "cache_dir", "num_proc", "path", "validation", "test", "train_files", "validation_files",
+             "test_files"},  # (the first line names the corpus's cache folder, name-key, and its vocabulary)
     "model": {"name", "n_layer", "n_head", "d_model", "d_ff", *LAYER_KEYS},
 }
 
@@ -325,7 +326,7 @@ SAID_ELSEWHERE = {  # what the first log line of a run or its label already says
 def training_options(cfg: DictConfig) -> list[str]:
     """``key=value`` for every option of a finalized ``cfg`` that changes training and is set away from the
     schema's default, where neither the run's label nor its first log line says it: the optimiser and schedule
-    (``train.*``), the data and its curricula (``data.passkey_*``, ``data.copy_*``, ``data.vocab_size`` …), the model's
+    (``train.*``), the data and its curricula (``data.passkey_*``, ``data.copy_*``, ``data.max_train_tokens`` …), the model's
     regularisation and attention scale (``model.*``), probes during training (``eval.probe_every``) and a parent
     (``init_from``, ``init_rows``)."""
     out = []

@@ -4,10 +4,9 @@ A run whose step cannot fit (``train.seq_len=100000`` on model=tiny: terabytes) 
 not left to swap for hours. The job knows the model spec, the batch, the length and the device before it builds
 anything; this module turns them into a byte count and compares it with what the device can give now:
 
-    kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # one of dispatch.KERNELS
+    kernel = kernel_for(spec["scheme"]["name"], "cpu", training=True)     # one of choice.KERNELS
     parts = step_bytes(spec, batch_size=16, seq_len=128, kernel=kernel)    # {"weights": …, …, "total": …} bytes
     parts = step_bytes(spec, 16, 128, kernel=None, device="cpu")           # each layer's kernel (hybrid layers)
-    free, what = available_bytes("cpu")                                    # (bytes, "MemAvailable of /proc/meminfo")
     check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
 
 The parts are weights, the optimizer's state, the activations autograd keeps (counted from posbench/model/gpt.py), what
@@ -21,15 +20,16 @@ tests/test_memory.py checks the estimate against measured memory.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from posbench.attention import dispatch, flex
+from posbench.attention import blockwise, choice, dense, dispatch, flex
 from posbench.attention.windows import Window, expand_pattern
 from posbench.config.schema import DEFAULT_SCHEME
 from posbench.config.upgrade import model_section
+from posbench.model import head
 from posbench.model.build import build_model
+from posbench.runtime import free_memory
 from posbench.schemes import SCHEMES
 
 GiB = 1 << 30
@@ -37,7 +37,6 @@ LSE_BYTES = 4  # the fused kernels' log-sum-exp is float32 whatever the activati
 LOGIT_BYTES = 4  # the model computes the loss from float32 logits whatever autocast does (posbench/model/gpt.py)
 BLOCK_TEMPORARIES = 2  # dense, math path: block-sized tensors alive while one block is computed (see docstring)
 CONTEXT_TEMPORARIES = 16  # contextual: block-sized float32 values alive at once while one block is computed
-HEAD_CHUNK = 1 << 20  # CPU evaluation: HeadNLL's chunk of logits, in values (posbench/model/gpt.py: 4 MiB of float32)
 
 
 class MemoryTooSmall(ValueError):
@@ -68,31 +67,15 @@ def step_bytes(spec: dict, batch_size: int, seq_len: int, kernel: str | None, dt
     return parts
 
 
-def available_bytes(device: torch.device | str) -> tuple[int, str]:
-    """(bytes ``device`` can give a run now, what was measured). CUDA: the free bytes of ``torch.cuda.mem_get_info``
-    plus what this process's caching allocator holds reserved but unallocated (``memory_reserved`` −
-    ``memory_allocated``), which ``mem_get_info`` counts as used although this process can reuse it: a process that
-    ran an earlier job (a joblib worker, a sweep's later job) keeps its blocks cached. Any other device uses host
-    memory: MemAvailable of /proc/meminfo (physical memory from ``os.sysconf`` where there is none), or a cgroup's
-    remaining limit where that is smaller."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's, reusable
-        return int(free + cached), f"free memory of {device} (torch.cuda.mem_get_info, plus the allocator's cache)"
-    host = _meminfo_available() or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
-    limit = _cgroup_free()
-    return limit if limit and limit[0] < host[0] else host
-
-
 def check_fits(spec: dict, batch_size: int, seq_len: int, kernel: str | None, device: torch.device | str, what: str,
                training: bool = True, dtype_bytes: int = 4) -> None:
-    """Raise :class:`MemoryTooSmall` when :func:`step_bytes` exceeds :func:`available_bytes` of ``device``.
+    """Raise :class:`MemoryTooSmall` when :func:`step_bytes` exceeds what ``device`` can give now
+    (posbench/runtime/free_memory.py).
 
     ``what`` leads the message and names the settings to lower, e.g. "train.seq_len=100000 × train.batch_size=16"
     (keys joined by " × ")."""
     parts = step_bytes(spec, batch_size, seq_len, kernel, dtype_bytes, training, device)
-    free, source = available_bytes(device)
+    free, source = free_memory.available_bytes(device)
     if parts["total"] <= free:
         return
     largest = sorted((k for k in parts if k != "total"), key=parts.get, reverse=True)[:3]
@@ -131,12 +114,9 @@ def layer_kernels(spec: dict, device: torch.device | str, training: bool, dropou
         cls = SCHEMES[section.get("name", DEFAULT_SCHEME)]
         window = Window(m["window"], m["window_kind"]) if kind == "L" and m["window"] else None
         window = window if window is not None and (seq_len is None or window.binds(seq_len)) else None
-        if window is not None and window.kind == "chunked" and dispatch.chunks_batch(cls):
-            out.append((dispatch.choose_kernel(cls, device, dtype, dropout, training, sink=m["attn_sink"]),
-                        window.size, cls))
-        else:
-            out.append((dispatch.choose_kernel(cls, device, dtype, dropout, training, window=window,
-                                                sink=m["attn_sink"]), None, cls))
+        chunked = window is not None and window.kind == "chunked" and choice.chunks_batch(cls)  # (a batch of chunks)
+        out.append((choice.choose_kernel(cls, device, dtype, dropout, training, window=None if chunked else window,
+                                         sink=m["attn_sink"]), window.size if chunked else None, cls))
     return out
 
 
@@ -187,8 +167,8 @@ def _activation_bytes(m: dict, B: int, T: int, b: int, training: bool) -> int:
 
 def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
     """The head and loss over N = B·T targets, per the module docstring."""
-    if device is not None and torch.device(device).type == "cpu" and b == 4:  # HeadNLL (posbench/model/gpt.py)
-        return N * V * LOGIT_BYTES if training else min(N * V, HEAD_CHUNK) * LOGIT_BYTES + N * LOGIT_BYTES
+    if device is not None and torch.device(device).type == "cpu" and b == 4:  # HeadNLL (posbench/model/head.py)
+        return N * V * LOGIT_BYTES if training else min(N * V, head.HEAD_CHUNK_ELEMENTS) * LOGIT_BYTES + N * LOGIT_BYTES
     return 2 * N * V * LOGIT_BYTES  # (N, V): log_softmax's output and the float32 logits (their gradient)
 
 
@@ -198,7 +178,7 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
     L, H, D = m["n_layer"], m["n_head"], m["d_model"]
     lse = B * H * T * LSE_BYTES  # (B, H, T) per layer
     if window is not None and kernel == "banded":  # blocks of WINDOW_QUERIES against their W − 1 earlier keys
-        Q = min(dispatch.WINDOW_QUERIES, T)
+        Q = min(dense.WINDOW_QUERIES, T)
         pattern = H * Q * (Q + window) * b  # the table and its mask pattern (a view of (H, 2Q + W))
         if not training:
             return 3 * H * T * b + pattern + B * H * (T + 2 * Q) * (D // H) * b + lse
@@ -208,8 +188,10 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
         # probabilities (B, H, Q, Q + W − 1) and copies of q, k, v; one block's scores and probabilities beside
         pairs = T * (Q + window - 1)
         return L * (B * H * pairs * b + 3 * B * T * D * b) + BLOCK_TEMPORARIES * B * H * Q * (Q + window) * b + pattern
-    if window is not None and kernel in ("dense", "contextual"):
-        return _windowed_pairs_bytes(spec, m, B, T, kernel, b, training, device, Window(window))
+    if window is not None and kernel == "dense":  # the (query, key) pairs of its blocks in place of the triangle's
+        return _dense_bytes(spec, m, B, T, b, training, Window(window))
+    if window is not None and kernel == "contextual":
+        return _contextual_bytes(spec, m, B, T, training, device, Window(window))
     if kernel == "flex" and training and (not SCHEMES[_scheme_name(spec)].distance_table
                                           or flex.OPTIONS.table_layout == "pair"):
         per_pair, learned = _bias_graph(spec, m, T)
@@ -226,40 +208,23 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
         keys = sum(e for _, e in _fold_blocks(T))  # Σ end: the keys copied for each query block
         return L * (B * H * Dh1 * (3 * T + keys) * b + lse)
     if kernel == "banded":  # evaluation: table and pattern, one block's mask, the output and a block's partials
-        Q = min(dispatch.FOLD_QUERIES, T)
+        Q = min(blockwise.FOLD_QUERIES, T)
         return (3 * H * T + H * Q * T) * b + B * H * (T + 2 * Q) * (D // H) * b + lse
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training)
     if kernel == "contextual":
         return _contextual_bytes(spec, m, B, T, training, device)
-    raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(dispatch.KERNELS)}")
-
-
-def _windowed_pairs_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device,
-                          window: Window) -> int:
-    """A sliding window through the dense or contextual kernel: as without it, with the (query, key) pairs of its
-    blocks in place of the causal triangle's (each block against its keys from the window's first on)."""
-    if kernel == "dense":
-        return _dense_bytes(spec, m, B, T, b, training, window)
-    per_pair, per_query = _contextual_saved(spec, m, T)
-    blocks = dispatch.contextual_blocks(B, m["n_head"], T, "cpu" if device is None else torch.device(device).type,
-                                         window)
-    pairs = B * m["n_head"] * sum((e - s) * (e - window.first_key(s)) for s, e in blocks)
-    block = B * m["n_head"] * max((e - s) * (e - window.first_key(s)) for s, e in blocks)
-    temporaries = CONTEXT_TEMPORARIES * block * 4
-    if not training:
-        return temporaries
-    return int(m["n_layer"] * (per_pair * pairs + per_query * B * m["n_head"] * T)) + temporaries
+    raise ValueError(f"kernel={kernel!r}: not an attention kernel; choose one of {', '.join(choice.KERNELS)}")
 
 
 def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, window: Window | None = None) -> int:
     """Dense kernel: per layer the probabilities (math path) or the masks (fused path), plus the bias's graph."""
     L, H, D = m["n_layer"], m["n_head"], m["d_model"]
-    blocks = dispatch._dense_blocks(T, H, window)  # [(start, end)]
+    blocks = dense.dense_blocks(T, H, window)  # [(start, end)]
     first = (lambda s: 0) if window is None else window.first_key
     pairs = sum((e - s) * (e - first(s)) for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·(end − first)
     block = max((e - s) * (e - first(s)) for s, e in blocks)  # the largest block's pairs
-    once = H * (T * T if window is None else pairs) <= dispatch.BIAS_ELEMENTS  # masks built once per pass, or per layer
+    once = H * (T * T if window is None else pairs) <= dense.BIAS_ELEMENTS  # masks built once per pass, or per layer
     copies = L if _per_layer(spec) else 1  # one set of masks per scheme instance
     mask = H * (pairs if once else block) * b * (copies if once else 1)  # masks alive at once (evaluation, forward)
     if not training:
@@ -272,13 +237,15 @@ def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, wi
     return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
 
 
-def _contextual_bytes(spec: dict, m: dict, B: int, T: int, training: bool, device=None) -> int:
+def _contextual_bytes(spec: dict, m: dict, B: int, T: int, training: bool, device=None,
+                      window: Window | None = None) -> int:
     """Contextual kernel: per layer what autograd keeps per (query, key) pair and per query (training), plus one
-    block's temporaries."""
+    block's temporaries; with a sliding ``window``, its blocks' pairs (keys from the window's first on)."""
     H = m["n_head"]
-    blocks = dispatch.contextual_blocks(B, H, T, "cpu" if device is None else torch.device(device).type)  # [(start, end)]
-    pairs = B * H * sum((e - s) * e for s, e in blocks)  # scores of all blocks: Σ B·H·Q·end
-    block = B * H * max((e - s) * e for s, e in blocks)  # the largest block's scores
+    blocks = dense.contextual_blocks(B, H, T, "cpu" if device is None else torch.device(device).type, window)
+    first = (lambda s: 0) if window is None else window.first_key
+    pairs = B * H * sum((e - s) * (e - first(s)) for s, e in blocks)  # scores of all blocks: Σ B·H·Q·keys
+    block = B * H * max((e - s) * (e - first(s)) for s, e in blocks)  # the largest block's scores
     per_pair, per_query = _contextual_saved(spec, m, T)
     # float32 whatever the activations (16-bit scores are widened), and the block's per-query tables (CoPE's q·e)
     temporaries = CONTEXT_TEMPORARIES * block * 4 + int(per_query * B * H * (blocks[0][1] - blocks[0][0]))
@@ -328,7 +295,7 @@ def _bias_graph(spec: dict, m: dict, T: int) -> tuple[float, bool]:
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bias = dispatch.dense_mask(scheme, torch.arange(64), m["n_head"], 32, 64, torch.float32)  # (H, 32, 64)
+        bias = blockwise.dense_mask(scheme, torch.arange(64), m["n_head"], 32, 64, torch.float32)  # (H, 32, 64)
     n = 32 * 64
     kept = sum(size for (_, numel), size in saved.items() if numel >= n)  # the tensors that grow with the block
     return kept / n, bias.requires_grad
@@ -363,44 +330,7 @@ def _per_layer(spec: dict) -> bool:
 
 def _fold_blocks(T: int) -> list[tuple[int, int]]:
     """The folded kernel's query blocks (posbench/attention/dispatch.py ``context``)."""
-    return [(s, min(T, s + dispatch.FOLD_QUERIES)) for s in range(0, T, dispatch.FOLD_QUERIES)]
-
-
-def _meminfo_available() -> tuple[int, str] | None:
-    """(MemAvailable in bytes, its source) from /proc/meminfo, or None where the file or line is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable of /proc/meminfo"  # the file says kB
-    except OSError:
-        pass
-    return None
-
-
-def _cgroup_free() -> tuple[int, str] | None:
-    """(this cgroup's limit minus its usage, in bytes, its source) for cgroup v2 or v1, or None without a limit."""
-    v1 = "/sys/fs/cgroup/memory/memory."
-    for limit, usage, stat, cache in (
-            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
-            (v1 + "limit_in_bytes", v1 + "usage_in_bytes", v1 + "stat", "total_inactive_file")):
-        try:
-            with open(limit) as f, open(usage) as g:
-                cap, used = f.read().strip(), int(g.read())
-        except (OSError, ValueError):
-            continue
-        if cap.isdigit() and int(cap) < 1 << 60:  # usage counts page cache; its inactive part is reclaimable (as
-            return max(0, int(cap) - used + _stat(stat, cache)), f"cgroup limit {limit}"  # docker stats reads it)
-    return None
-
-
-def _stat(path: str, key: str) -> int:
-    """The value of ``key`` in a cgroup ``memory.stat`` file, in bytes; 0 when it is not there."""
-    try:
-        with open(path) as f:
-            return next((int(v) for k, v in (line.split() for line in f) if k == key), 0)
-    except (OSError, ValueError):
-        return 0
+    return [(s, min(T, s + blockwise.FOLD_QUERIES)) for s in range(0, T, blockwise.FOLD_QUERIES)]
 
 
 def _size(n: float) -> str:

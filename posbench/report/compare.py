@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from posbench.attention.temperature import ZERO_SHOT
-from posbench.config.checks import NEEDLE_FORMAT
+from posbench.config.eval_checks import NEEDLE_FORMAT
 from posbench.config.upgrade import upgrade
 from posbench.evaluation import stats
 from posbench.evaluation.results import READABLE, SUPERSEDED, run_label, temperature_label

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from posbench.config.checks import ConfigError, eval_values
+from posbench.config.checks import ConfigError
+from posbench.config.eval_checks import eval_values
 from posbench.config.schema import LAYER_KEYS, scheme_schema, to_dict
 from posbench.config.upgrade import model_section
 from posbench.data.corpora import file_sha256
@@ -161,7 +162,7 @@ def inherit(cfg: DictConfig, parent: Parent) -> None:
 def _fit(cfg: DictConfig, lengths: list[int]) -> bool:
     """Whether evaluation ``lengths`` taken from a parent serve the run ``cfg``: one of them is past its L (else the
     run would never be evaluated past L) and the run's evaluation settings accept them (the sliding stride, the
-    context probe's stride: :func:`posbench.config.checks.eval_values`, tried on a copy)."""
+    context probe's stride: :func:`posbench.config.eval_checks.eval_values`, tried on a copy)."""
     e = copy.deepcopy(cfg.eval)
     with open_dict(e):
         e.lengths = list(lengths)

@@ -96,9 +96,9 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
     elif (out_dir / "metrics.jsonl").exists() and cfg.resume == "auto":  # an earlier start stopped before a save
         log.warning("%s holds an earlier start of this run but no training state: training from step 0", out_dir)
     states.check_room(model)
-    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s", job.label,
-             f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
-             proc.device, proc.threads, job.corpus.root)
+    log.info("%s: %s params, L=%d, %d steps × %d sequences × %d ranks, device %s, %d threads, data %s (vocabulary %d)",
+             job.label, f"{sum(p.numel() for p in model.parameters()):,}", t.seq_len, t.steps, t.batch_size, proc.world,
+             proc.device, proc.threads, job.corpus.root, job.corpus.vocab_size)
     dtype = autocast_dtype(t.precision, proc.device)
     log.info("on: %s training%s", "bf16 autocast" if dtype else "fp32", "".join(f", {o}" for o in training_options(cfg)))
     with StopSignals() as stop:
