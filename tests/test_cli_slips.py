@@ -34,6 +34,17 @@ from posbench.jobs import command
      "'seed=range(0,3)' "),  # (quoted for the shell, as every suggested command)
     (["eval.probes=passkey,context"], "eval.probes=passkey,context: eval.probes takes a list, written in brackets "
      "(quoted, for the shell): 'eval.probes=[passkey,context]'; without -m a comma-separated value is a sweep"),
+    (["extend@pkg=yarn"], "extend@pkg=yarn: posbench's config groups take no package (@pkg); write extend=yarn"),
+    (["+debug@foo=fast"], "+debug@foo=fast: posbench's config groups take no package (@foo); write +debug=fast"),
+    (["hydra/launcher@x=joblib"], "hydra/launcher@x=joblib: posbench's config groups take no package (@x); write "
+     "hydra/launcher=joblib"),
+    (["~scheme"], "~scheme: scheme cannot be removed from the defaults list; choose one of its options: alibi, cope, "),
+    (["~model"], "~model: model cannot be removed from the defaults list; choose one of its options: base, small, tiny"),
+    (["+model=small"], "+model=small: model is already in the defaults list; drop the plus: model=small"),
+    (["+train.steps=2"], "+train.steps=2: train.steps is already a key; drop the plus: train.steps=2"),
+    (["train.steps=[1"], "train.steps=[1: Hydra cannot read this override (no viable alternative at input '[1'); write "
+     "key=value, a list in brackets and quoted for the shell: 'key=[a,b]'"),
+    (["=rope"], "=rope: an override needs a key before '=': key=value"),
     (["experiment=demo", "eval.lengths=[32,64]", "hydra.launcher.n_jobs=1"], "experiment=demo declares a sweep over "
      "scheme: run it with -m (posbench train -m debug=fast experiment=demo 'eval.lengths=[32,64]' "
      "data.cache_dir=<cache> hydra.launcher.n_jobs=1)"),  # the command as given, hydra.run.dir aside
@@ -164,6 +175,18 @@ def test_the_start_of_a_run_says_what_is_on(overrides, said, data_cache, tmp_pat
     assert all(s in line for s in said), line
     if not overrides:
         assert line == "on: fp32 training, train.warmup_steps=1"  # debug=fast's warmup
+
+
+def test_the_start_of_a_run_names_the_corpus_once(data_cache):
+    """A corpus other than the default (data=wikitext103: its name and vocabulary size away from the schema's) is named
+    by the run's first log line (its cache folder, name-key, and its vocabulary), not repeated on the ``on:`` line."""
+    from helpers import compose_train
+    from posbench.config.schema import finalize, training_options
+
+    cfg = compose_train(data_cache, "data=wikitext103", "data.max_train_tokens=1000")
+    finalize(cfg)
+    assert (cfg.data.name, cfg.data.vocab_size) == ("wikitext103", 16384)  # both away from the default corpus's
+    assert [o for o in training_options(cfg) if o.startswith("data.")] == ["data.max_train_tokens=1000"]
 
 
 def test_version_and_an_aligned_help(posbench_here):

@@ -35,6 +35,15 @@ class Refused(Exception):
 def one_line(err: Exception, overrides: tuple[str, ...] = (), command: str = "train") -> str:
     """Hydra's and OmegaConf's multi-line composition errors, as one line naming the value and the choices (the
     command line's ``overrides``, to name the one at fault, and its ``command``, whose keys a hint shows)."""
+    if isinstance(err, OverrideParseException) or isinstance(err.__cause__, OverrideParseException):
+        bad = next((o for o in overrides if not _parses(o)), None)
+        reason = str(err).strip().splitlines()[0]
+        return f"{bad or ' '.join(overrides)}: Hydra cannot read this override ({reason}); write key=value, a list in " \
+            "brackets and quoted for the shell: 'key=[a,b]'"
+    appended = re.match(r"Could not append to config\. An item is already at '([\w.]+)'", str(err))
+    if appended:
+        given = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == appended[1]), f"+{appended[1]}=<value>")
+        return f"{given}: {appended[1]} is already a key; drop the plus: {given.lstrip('+')}"
     added = re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", str(err))
     if added:  # `extend=yarn`: a group outside the defaults list is added with a plus
         given = next((o for o in overrides if o.split("=", 1)[0] == added[1]), f"{added[1]}=<option>")
@@ -61,6 +70,14 @@ def one_line(err: Exception, overrides: tuple[str, ...] = (), command: str = "tr
     if key and "could not be converted" in text:
         return f"{key}: {text.replace('Value', 'value', 1)}"
     return f"{key}: {text}" if key else text
+
+
+def _parses(override: str) -> bool:
+    try:
+        OverridesParser.create().parse_overrides([override])
+        return True
+    except OverrideParseException:
+        return False
 
 
 SHOW_KEYS = {"train": "posbench train --cfg job", "eval": "posbench eval run=<run folder> --cfg job"}
@@ -109,14 +126,28 @@ def bare(key: str) -> str:
 
 
 def slips(overrides: list[str], multirun: bool, config_name: str) -> None:
-    """Raise Refused for the command-line slips Hydra answers with an error that does not say the fix: a
-    comma-separated value without ``-m`` (``scheme=alibi,rope``: a sweep) and a config group given a non-string value
-    (``debug=true``). An override Hydra cannot parse is left to composition, which names it."""
+    """Raise Refused for the command-line slips Hydra answers with an error that does not say the fix: an override
+    without a key (``=rope``), a config group given a package (``extend@pkg=yarn``), removed (``~scheme``) or added
+    with a plus where the defaults list has it (``+scheme=rope``), a comma-separated value without ``-m``
+    (``scheme=alibi,rope``: a sweep) and a config group given a non-string value (``debug=true``). An override Hydra
+    cannot parse is left to composition, which names it (:func:`one_line`)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:  # (composition names it)
         return
+    listed = default_groups(config_name)
     for o in parsed:
+        group, value = bare(o.key_or_group), o.input_line.partition("=")[2]
+        if not o.key_or_group:
+            raise Refused(f"{o.input_line}: an override needs a key before '=': key=value")
+        if o.package is not None and is_group(group, config_name):
+            raise Refused(f"{o.input_line}: posbench's config groups take no package (@{o.package}); write "
+                          f"{'+' * o.is_add()}{group}={value}")
+        if o.is_delete() and group in listed:
+            raise Refused(f"{o.input_line}: {group} cannot be removed from the defaults list; choose one of its options: "
+                          f"{', '.join(group_options(group))}")
+        if o.is_add() and group in listed:
+            raise Refused(f"{o.input_line}: {group} is already in the defaults list; drop the plus: {group}={value}")
         if o.is_sweep_override():
             if multirun:
                 continue
@@ -126,7 +157,6 @@ def slips(overrides: list[str], multirun: bool, config_name: str) -> None:
                               "comma-separated value is a sweep")
             kept = [a for a in overrides if not a.startswith("hydra.run.")]  # a sweep writes under hydra.sweep.dir
             raise Refused(f"{o.input_line}: a sweep value, which runs with -m: posbench {config_name} -m {shlex.join(kept)}")
-        group = bare(o.key_or_group)
         if group in TRAIN_GROUPS and o.value() is not None and not isinstance(o.value(), str):
             raise Refused(f"{o.input_line}: {group} is a config group; choose one of its options: "
                           f"{', '.join(group_options(group))}")
@@ -147,6 +177,19 @@ def group_options(group: str) -> list[str]:
     stored = list(SCHEMES) if group == "scheme" else []
     return sorted({*stored, *(f.name.removesuffix(".yaml") for f in files(CONFIG_MODULE).joinpath(group).iterdir()
                               if f.name.endswith(".yaml"))})
+
+
+def is_group(name: str, config_name: str) -> bool:
+    """Whether ``name`` is one of conf/'s config groups (``scheme``, ``hydra/launcher``, …) for ``posbench <config_name>``."""
+    return name in TRAIN_GROUPS + ("eval_experiment",) or files(CONFIG_MODULE).joinpath(name).is_dir() or \
+        name.startswith("hydra/")
+
+
+def default_groups(config_name: str) -> set[str]:
+    """The config groups in the defaults list of conf/<config_name>.yaml (``scheme``, ``model``, ``data``, …)."""
+    defaults = OmegaConf.to_container(OmegaConf.load(files(CONFIG_MODULE).joinpath(f"{config_name}.yaml")))["defaults"]
+    return {key.removeprefix("optional ").removeprefix("override ") for entry in defaults if isinstance(entry, dict)
+            for key in entry}
 
 
 def check_eval_overrides(overrides: list[str]) -> None:
