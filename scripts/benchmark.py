@@ -91,9 +91,10 @@ import torch
 import torch._dynamo
 
 import posbench
-from posbench.attention import dispatch, flex, remap
+from posbench.attention import choice, flex, remap
 from posbench.attention.temperature import ATTN_SCALES, default_length
 from posbench.model.build import build_model
+from posbench.runtime import timers
 from posbench.runtime.device import flush_denormals_from_now
 from posbench.schemes import SCHEMES, PositionalScheme
 
@@ -248,7 +249,7 @@ def source_digest() -> str:
 
 
 def sync(args) -> None:
-    torch.cuda.synchronize() if args.device == "cuda" else None
+    timers.sync(torch.device(args.device))
 
 
 def autocast(args):
@@ -305,31 +306,17 @@ def dynamo_since(before: dict) -> dict:
 
 
 def timed(args, fn, loops: int = 1) -> float:
-    sync(args)
-    start = time.perf_counter()
-    for _ in range(loops):
-        fn()
-    sync(args)
-    return (time.perf_counter() - start) / loops
+    """Seconds per call of ``fn``, by the wall clock around a sync (posbench/runtime/timers.py's ``wall``: a whole
+    step, the host's work included)."""
+    return timers.wall(fn, torch.device(args.device), loops)
 
 
 def loop_sampler(args, fn):
-    """A function timing one loop of :data:`MATMULS` calls of ``fn`` (a matmul), in seconds per call: on CPU around
-    the loop, on CUDA with CUDA events around it; three untimed calls first."""
+    """A function timing one loop of :data:`MATMULS` calls of ``fn`` (a matmul), in seconds per call
+    (posbench/runtime/timers.py's ``per_call``: CUDA events on CUDA, the wall clock elsewhere); three untimed calls
+    first."""
     timed(args, fn, 3)
-    if args.device != "cuda":
-        return lambda: timed(args, fn, MATMULS)
-
-    def sample() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(MATMULS):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / MATMULS  # (elapsed_time: milliseconds)
-
-    return sample
+    return lambda: timers.per_call(fn, torch.device(args.device), MATMULS)
 
 
 def matmul_sampler(args):
@@ -441,7 +428,7 @@ def build_block_masks(model: torch.nn.Module, n: int, device: torch.device) -> N
     case on CUDA (one process) reuses them as every case does. Causal at n (plus ``flex.cpu_padding`` on CPU), from
     block indices (O((n/128)²) integers), always; per window of the model's layers that binds at n: the causal one of
     a chunk (chunks run as a batch), and the window's own (``create_block_mask``, which evaluates all n² pairs) where
-    ``dispatch.choose_kernel`` gives Flex for it."""
+    ``choice.choose_kernel`` gives Flex for it."""
     if flex.flex_attention is None:
         return
     pad = flex.cpu_padding if device.type == "cpu" else lambda T: 0
@@ -450,7 +437,7 @@ def build_block_masks(model: torch.nn.Module, n: int, device: torch.device) -> N
     for s, window in dict.fromkeys((s, w) for s, w in zip(model.layer_schemes, model.windows) if w and w.binds(n)):
         if window.kind == "chunked":
             flex.causal_block_mask(window.size + pad(window.size), device)
-        if dispatch.choose_kernel(s, device, torch.float32, 0.0, False, None, window, sink) == "flex":
+        if choice.choose_kernel(s, device, torch.float32, 0.0, False, None, window, sink) == "flex":
             flex.block_mask(n + pad(n), device, window)
 
 

@@ -56,8 +56,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # posbench from this checkout (no install needed)
 
-from posbench.attention import dispatch, flex  # noqa: E402
-from posbench.model import gpt as model_module
+from posbench.attention import choice, dispatch, flex  # noqa: E402
+from posbench.model import head
+from posbench.runtime import timers  # noqa: E402
 from posbench.schemes import build_scheme  # noqa: E402
 
 BUDGETS = {"S0": 15, "S1": 180, "S2": 75, "S3": 15, "S4": 45, "S5": 150}  # seconds on CUDA
@@ -144,22 +145,10 @@ def _free(device) -> None:
 
 
 def timed(fn, device, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call (compilation): CUDA events on CUDA."""
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call (compilation), each timed by
+    posbench/runtime/timers.py's ``per_call``: CUDA events on CUDA, the wall clock elsewhere."""
     fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return statistics.median(timers.per_call(fn, device) for _ in range(repeats))
 
 
 def peak_growth(fn, device) -> int | None:
@@ -350,7 +339,7 @@ def s2_layouts(p: Probe) -> None:
     pos = torch.arange(L, device=dev)
     dtype = torch.bfloat16 if compiled else torch.float32
     if not compiled:  # (Flex's eager math backward on CPU; dispatch.context then allows gradients through Flex)
-        flex._compiled, dispatch.flex_backward = cpu_flex_backward(), lambda device: True
+        flex._compiled, choice.flex_backward = cpu_flex_backward(), lambda device: True
     for name in TABLE_SCHEMES:
         results, grads = {}, {}
         for layout in flex.TABLE_LAYOUTS:
@@ -492,7 +481,7 @@ def s5_base(p: Probe) -> None:
             idx, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
             def step(model=model, opt=opt, fwd=fwd, idx=idx, tgt=tgt, chunked=chunked):
-                model_module.CHUNKED_HEAD_CUDA = chunked
+                head.CHUNKED_HEAD_CUDA = chunked
                 with torch.autocast(dev.type, torch.bfloat16, enabled=cuda):
                     loss = fwd(idx, targets=tgt).mean()
                 opt.zero_grad(set_to_none=True)
@@ -505,7 +494,7 @@ def s5_base(p: Probe) -> None:
             row.update(step_ms=seconds * 1e3, tokens_per_s=tps, tflops=tps * per_token / 1e12,
                        mfu=None if peak is None else tps * per_token / peak, n_params=n_params)
             steps[case] = (step, model)
-        model_module.CHUNKED_HEAD_CUDA = False
+        head.CHUNKED_HEAD_CUDA = False
         _free(dev)
     ok = {c: r["tokens_per_s"] for c, r in results.items() if "tokens_per_s" in r}
     if ok:
@@ -519,10 +508,10 @@ def s5_base(p: Probe) -> None:
                 step, _ = steps[best]
                 activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 with torch.profiler.profile(activities=activities) as prof:
-                    model_module.CHUNKED_HEAD_CUDA = "chunked" in best
+                    head.CHUNKED_HEAD_CUDA = "chunked" in best
                     step()
                     torch.cuda.synchronize() if cuda else None
-                model_module.CHUNKED_HEAD_CUDA = False
+                head.CHUNKED_HEAD_CUDA = False
                 events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
                 total = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events) or 1
                 key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
