@@ -79,13 +79,40 @@ def test_passkey_accuracy_is_printed_after_the_perplexity_table_and_written_to_r
 # ---- item 7a: Ctrl-C during posbench eval ---------------------------------------------------------------------
 
 
+SCORING_STARTED = """
+import os, time
+from pathlib import Path
+
+import posbench.evaluation.perplexity as perplexity
+
+_evaluate = perplexity.evaluate
+
+
+def evaluate(*args, **kwargs):  # the test's pause: scoring has begun, and waits for the test's Ctrl-C
+    Path(os.environ["POSBENCH_TEST_SCORING"]).touch()
+    time.sleep(600)
+    return _evaluate(*args, **kwargs)
+
+
+perplexity.evaluate = evaluate
+"""
+
+
 def test_ctrl_c_during_eval_says_the_evaluation_was_interrupted_and_how_to_rerun_it(existing_run, tmp_path):
+    """Ctrl-C while ``posbench eval`` scores: one line saying so and how to evaluate again, exit 130, the run folder
+    as it was. Deterministic: a ``sitecustomize`` given to the child holds its scoring at its start (a marker file, then
+    a wait) until the test's SIGINT, so the signal always lands during the evaluation, never before it or after."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SCORING_STARTED)
+    marker = tmp_path / "scoring"
     before = {k: v for k, v in snapshot(existing_run).items() if k != "."}
     proc = subprocess.Popen([sys.executable, "-m", "posbench", "eval", f"run={existing_run}", "device=cpu", "threads=1",
-                             "eval.lengths=[32,64,128,256,512,1024]"], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_in_a_terminal)
+                             "eval.lengths=[32,64]"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(PYTHONPATH=str(hook), POSBENCH_TEST_SCORING=str(marker)), text=True,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + CLI_TIMEOUT_S
-    while not (existing_run / "eval.log").exists():  # Hydra's job has started: the job was prepared, scoring begins
+    while not marker.exists():  # the job was prepared, Hydra's job runs it, scoring has begun
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "timed out waiting for the evaluation to start"
         time.sleep(0.005)
