@@ -44,6 +44,7 @@ from posbench.evaluation import passkey
 from posbench.jobs import command, eval_job, overrides, train_job
 from posbench.jobs.command import CONFIG_MODULE, writable
 from posbench.report import compare, render
+from posbench.report.records import ReportError
 from posbench.runtime import dist, gpus, runlock  # (gpus registers ${posbench_gpus:})
 from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted
 from posbench.runtime.tracking import Tracker
@@ -171,7 +172,7 @@ class ReportCallback(Callback):
         sweep = Path(config.hydra.sweep.dir)
         try:
             table_text, rows, images = render.write_report([sweep], sweep)
-        except compare.ReportError as e:
+        except ReportError as e:
             render.log.warning("no report: %s", e)
             return
         print(f"\n{table_text}\n\nreport: {sweep / 'report.md'}", flush=True)
@@ -191,7 +192,7 @@ def _report(argv: list[str]) -> None:
         fail(str(e))
     try:
         table_text, _, _ = render.write_report(args.folders, args.out or args.folders[0])
-    except compare.ReportError as e:
+    except ReportError as e:
         fail(str(e))
     print(f"{table_text}\n\nreport: {(args.out or args.folders[0]) / 'report.md'}")
 
@@ -229,13 +230,13 @@ def _main(argv: list[str]) -> None:
     if argv[0] in ("--version", "-V"):
         print(f"posbench {posbench.__version__}")
         return
-    command, rest = argv[0], argv[1:]
-    if command == "report":
+    name, rest = argv[0], argv[1:]
+    if name == "report":
         return _report(rest)
-    if command not in COMMANDS:
-        fail(f"unknown command {command!r}; choose one of: train, eval, report")
-    task, config_name = COMMANDS[command]
-    if command == "eval":
+    if name not in COMMANDS:
+        fail(f"unknown command {name!r}; choose one of: train, eval, report")
+    task, config_name = COMMANDS[name]
+    if name == "eval":
         try:
             rest = overrides.eval_argv(rest)
         except overrides.Refused as e:
@@ -245,7 +246,7 @@ def _main(argv: list[str]) -> None:
     os.environ["POSBENCH_RUN_STAMP"] = dist.broadcast(time.strftime("%Y-%m-%d/%H-%M-%S"))  # preflight's and Hydra's
     if dist.rank() > 0:  # only rank 0 writes Hydra's files and logs
         rest = [*rest, "hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    sys.argv = [f"posbench-{command}", *rest]
+    sys.argv = [f"posbench-{name}", *rest]
     try:
         preflight(rest, config_name)
         os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep

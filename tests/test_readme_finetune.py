@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from helpers import ok
 from posbench.config.schema import EvalConfig
 from posbench.report import compare
+from posbench.report.records import collect
 from posbench.training import lineage
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -68,7 +69,7 @@ def test_readme_finetune_report_puts_it_beside_its_parent(parent_and_finetune, r
     assert (out / "ppl_vs_finetune.png").stat().st_size > 0
     rows = list(csv.DictReader((out / "report.csv").open()))
     parent_ppl = next(float(r["ppl"]) for r in rows if r["label"] == "rope" and r["length"] == "2048")
-    folded = compare.fold(compare.collect([parent, finetuned])[0])
+    folded = compare.fold(collect([parent, finetuned])[0])
     assert compare.finetune_parents(folded) == {"rope": pytest.approx(parent_ppl, rel=1e-6)}  # its dotted line
 
 

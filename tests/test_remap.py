@@ -355,7 +355,8 @@ def test_a_remap_a_scheme_cannot_take_is_refused(scheme, method, message):
 
 
 def test_a_fine_tuned_runs_remap_is_labelled_alike_with_and_without_a_temperature():
-    from posbench.report import compare
+    from posbench.report.records import _mark_reevaluations
+    from posbench.report.settings import label_of
 
     cfg = {"scheme": {"name": "rope"}, "train": {"seq_len": 512, "steps": 200}, "model": {}, "eval": {}}
     remapped = {"remap": "rerope", "remap_options": {"window": 64}}
@@ -364,9 +365,9 @@ def test_a_fine_tuned_runs_remap_is_labelled_alike_with_and_without_a_temperatur
            {"path": "r/eval-1.json", "config": {**cfg, "eval": remapped}, "lineage": lineage},
            {"path": "r/eval-2.json", "config": {**cfg, "eval": remapped, "model": {"attn_scale": "log_n_clipped"}},
             "lineage": lineage, "model_overrides": {"attn_scale": "log_n_clipped"}}]
-    compare._mark_reevaluations(run)
-    assert [compare.label_of(r) for r in run] == ["rope ft512×200", "rope@rerope(w64) ft512×200",
-                                                   "rope@rerope(w64) ft512×200 (log_n_clipped at eval)"]
+    _mark_reevaluations(run)
+    assert [label_of(r) for r in run] == ["rope ft512×200", "rope@rerope(w64) ft512×200",
+                                          "rope@rerope(w64) ft512×200 (log_n_clipped at eval)"]
 
 
 REFUSALS = [
@@ -416,10 +417,11 @@ def test_posbench_eval_remaps_a_trained_run(existing_run, torch_state):
     hot = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256", "eval.remap=rerope",
                     "model.attn_scale=log_n_clipped")
     assert hot["label"] == "rope+log_n_clipped@rerope(w4)"
-    from posbench.report import compare
+    from posbench.report.records import collect
+    from posbench.report.settings import label_of
 
-    records, skipped = compare.collect([existing_run])
-    assert {"rope", "rope@rerope(w4)", "rope@rerope(w4) (log_n_clipped at eval)"} <= {compare.label_of(r) for r in records}
+    records, skipped = collect([existing_run])
+    assert {"rope", "rope@rerope(w4)", "rope@rerope(w4) (log_n_clipped at eval)"} <= {label_of(r) for r in records}
     assert not [line for line in skipped if "duplicate" in line]
 
 

@@ -23,6 +23,7 @@ from posbench.config.upgrade import upgrade
 from posbench.evaluation.perplexity import position_bins, windows
 from posbench.evaluation.results import FORMAT, new_eval_stem, record, write_results
 from posbench.report import compare, render
+from posbench.report.records import collect
 from posbench.schemes import variant_label
 
 OUTPUTS = ["report.md", "report.csv", "ppl_vs_length.png", "loss_vs_position.png"]
@@ -286,7 +287,7 @@ def test_failed_run_is_skipped_as_failed_not_broken(sweep):
     message = "non-finite loss at step 3; the last good checkpoint is kept"
     write_results(failed, {"format": FORMAT, "status": "failed", "error": message, "step": 3,
                            "results": [], "config": config("rope", 5)})
-    records, skipped = compare.collect([sweep])
+    records, skipped = collect([sweep])
     assert len(records) == 6
     line = next(s for s in skipped if "9_rope_seed5" in s)
     assert "failed" in line and "broken" not in line, line
@@ -299,7 +300,7 @@ def test_failed_run_is_skipped_as_failed_not_broken(sweep):
                                      '{"format": 1, "results": [{"length": 32, "ppl": 1.0}]}'])
 def test_any_broken_results_file_is_skipped_not_a_crash(sweep, content):
     (sweep / "7_alibi_seed3" / "results.json").write_text(content)
-    records, skipped = compare.collect([sweep])
+    records, skipped = collect([sweep])
     assert len(records) == 6
     line = next(s for s in skipped if "7_alibi_seed3" in s)
     assert "broken" in line, line
@@ -373,7 +374,7 @@ def test_format_2_records_with_every_scheme_key_report_beside_format_3(tmp_path)
         rec = json.loads((run / "results.json").read_text())
         (run / "results.json").write_text(json.dumps({**rec, "format": 2}))
     write_run(root / "alibi", config("alibi", 0))  # format 3: no base, no max_positions
-    records, skipped = compare.collect([root])
+    records, skipped = collect([root])
     assert not skipped and [r["config"]["scheme"] for r in records] == [
         {"name": "alibi"}, {"name": "learned", "max_positions": 512},
         {"name": "rope", "base": 10000.0, "scaling": "none", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -420,12 +421,14 @@ def test_a_duplicate_record_is_skipped_with_its_reason(tmp_path):
     run = write_run(root / "rope0", config("rope", 0))
     write_run(root / "alibi0", config("alibi", 0))
     again = write_eval(run, config("rope", 0), rows_for(config("rope", 0), lambda n: 99.0))  # the same settings again
-    records, skipped = compare.collect([root])
+    records, skipped = collect([root])
     assert sorted(r["path"] for r in records) == sorted([str(again), str(root / "alibi0" / "results.json")])
-    assert skipped == [f"{run / 'results.json'}: duplicate of {again}"], skipped
+    line = (f"{run / 'results.json'}: older duplicate of {again} (the same setting, seed and evaluation settings); the "
+            "newer is reported")
+    assert skipped == [line], skipped
     table_text, _, _ = render.write_report([root], root)
     assert md_tables(table_text)[0][2]["rope"][0].startswith("99.00 "), table_text
-    assert f"- {run / 'results.json'}: duplicate of {again}" in sections((root / "report.md").read_text())["Skipped"]
+    assert f"- {line}" in sections((root / "report.md").read_text())["Skipped"]
 
 
 def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
@@ -631,6 +634,6 @@ def test_a_yarn_record_of_format_3_reads_as_the_paper_ramp(tmp_path):
     old = write_eval(folder, {**cfg, "scheme": yarn})
     (old.with_suffix(".json")).write_text(json.dumps({**json.loads(old.read_text()), "format": 3}))
     write_eval(folder, {**cfg, "scheme": {**yarn, "yarn_ramp": "reference"}})
-    records, skipped = compare.collect([tmp_path / "runs"])
+    records, skipped = collect([tmp_path / "runs"])
     assert not skipped and sorted(r["setting"] for r in records) == ["rope", "rope+yarn_paper×16", "rope+yarn×16"]
     assert [r["config"]["scheme"]["yarn_ramp"] for r in records if r["format"] == 3] == ["paper"]

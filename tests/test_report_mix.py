@@ -21,6 +21,8 @@ import pytest
 
 from posbench.evaluation import stats
 from posbench.report import compare, render
+from posbench.report.records import _mark_reevaluations, collect
+from posbench.report.settings import LABEL_WIDTH, label_of, short_labels
 from test_report import config, legend_rows, md_tables, ok, posbench, report_csv, table_rows, window_rows, write_run
 
 MIX = Path(__file__).parent / "fixtures" / "report_mix"
@@ -55,7 +57,7 @@ def test_cli_plots_every_setting_without_a_warning(mix_report):
 def test_cli_rows_are_short_labels_with_a_legend_table(mix_report):
     stdout, _, out = mix_report
     assert sorted(set(table_rows(stdout))) == sorted(LABELS), stdout
-    assert all(len(label) <= compare.LABEL_WIDTH for label in table_rows(stdout))
+    assert all(len(label) <= LABEL_WIDTH for label in table_rows(stdout))
     legend = legend_rows(stdout)
     assert legend["rope ft128×0"] == {"train.batch_size": "16", "train.seq_len": "128", "train.steps": "0"}, legend
     assert legend["alibi, data.passkey_rate=0.1"] == {"data.passkey_rate": "0.1"}, legend
@@ -130,7 +132,7 @@ def test_plots_keep_legends_off_the_axes_and_titles_apart(tmp_path, monkeypatch)
             assert not any(_overlap(legend, ax) for ax in fig["axes"]), f"{name}: a legend covers an axes"
         boxes = fig["title_boxes"]
         assert not any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), (name, fig["titles"])
-        assert all(len(entry) <= compare.LABEL_WIDTH for entry in fig["entries"]), (name, fig["entries"])
+        assert all(len(entry) <= LABEL_WIDTH for entry in fig["entries"]), (name, fig["entries"])
     assert set(LABELS) <= set(drawn["ppl_vs_length"]["entries"])  # every row named in the legend
     assert [t.split(". ", 1)[1].replace("\n", " ") for t in drawn["ppl_vs_length"]["titles"][1:]] == TABLES
     assert [t.replace("\n", " ") for t in drawn["passkey_heatmap"]["titles"][1:]] == ["alibi, data.passkey_rate=0.1",
@@ -148,7 +150,7 @@ def test_a_verdict_the_numbers_do_not_tell_gets_a_footnote(tmp_path):
         for seed, f in enumerate(seeds):
             cfg = config(scheme, seed, protocol="sliding", stride=16)
             write_run(tmp_path / f"{scheme}{seed}", cfg, rows=window_rows(cfg, f))
-    records, _ = compare.collect([tmp_path])
+    records, _ = collect([tmp_path])
     rows = compare.fold(records)
     text = render.tables(rows, 32)
     (_, _, cells), = md_tables(text)
@@ -220,8 +222,8 @@ def test_a_reevaluation_names_the_run_it_was_applied_to():
     def label(trained: dict, new: dict) -> str:
         run = [{"path": "r/results.json", "config": {"scheme": trained, "train": {}}},
                {"path": "r/eval-x.json", "config": {"scheme": new, "train": {}}, "scheme_overrides": {"factor": 1}}]
-        compare._mark_reevaluations(run)
-        return compare.label_of(run[1])
+        _mark_reevaluations(run)
+        return label_of(run[1])
 
     rope, yarn2 = {"name": "rope"}, {"name": "rope", "scaling": "yarn", "factor": 2.0}
     assert label(rope, {**yarn2, "factor": 4.0}) == "rope (yarn×4 at eval)"
@@ -236,7 +238,7 @@ def test_rows_sharing_a_run_label_are_told_apart_by_their_values_never_by_number
     def labels(rows):
         records = [{"order": (i,), "setting": f"s{i}", "differs": d, "config": {"scheme": {"name": "rope"}, "train": {}},
                     "path": f"r{i}"} for i, d in enumerate(rows)]
-        compare._short_labels(records)
+        short_labels(records)
         return [r["label"] for r in records]
 
     grid = [{"train.lr": lr, "train.batch_size": b, "data.name": "shakespeare"} for lr in ("0.001", "0.002") for b in ("8", "16")]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from posbench.report import compare, plots, render
+from posbench.report.records import collect
 
 MIX = Path(__file__).parent / "fixtures" / "report_mix"
 PLAIN = re.compile(r"\d+(\.\d+)?(e\d+)?")  # 2400, 0.125, 1e6, 2.5e6
@@ -29,7 +30,7 @@ SPAN = 1.2  # the least ratio of a perplexity axis's y-limits
 @pytest.fixture(scope="module")
 def mix():
     """(records, rows) of tests/fixtures/report_mix."""
-    records, _ = compare.collect([MIX])
+    records, _ = collect([MIX])
     return records, compare.fold(records)
 
 

@@ -134,7 +134,8 @@ def ppls(path) -> dict:
 def test_posbench_eval_applies_a_temperature_to_a_trained_run(existing_run, torch_state):
     """``posbench eval run=<rope run> model.attn_scale=floor_log``: the same perplexity at L (the factor is 1 there),
     another past it; the record says what changed, and the report names the run it was applied to."""
-    from posbench.report import compare
+    from posbench.report.records import collect
+    from posbench.report.settings import label_of
 
     lengths = "eval.lengths=[32,128]"
     plain = eval_here(f"run={existing_run}", lengths, "eval.max_tokens=512")
@@ -143,8 +144,8 @@ def test_posbench_eval_applies_a_temperature_to_a_trained_run(existing_run, torc
     assert hot["model_overrides"] == {"attn_scale": "floor_log", "scale_length": 32}
     assert hot["results"][0]["nll"] == plain["results"][0]["nll"]  # at L = 32
     assert hot["results"][1]["nll"] != plain["results"][1]["nll"]  # at 4L
-    records, _ = compare.collect([existing_run])
-    assert "rope (floor_log at eval)" in {compare.label_of(r) for r in records}
+    records, _ = collect([existing_run])
+    assert "rope (floor_log at eval)" in {label_of(r) for r in records}
     scaled = eval_here(f"run={existing_run}", lengths, "eval.max_tokens=512", "model.attn_scale=log_n_clipped",
                        "model.scale_length=64")
     assert scaled["label"] == "rope+log_n_clipped64" and scaled["results"][0]["nll"] == plain["results"][0]["nll"]

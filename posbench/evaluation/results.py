@@ -7,7 +7,7 @@ length, and per passkey probe length, :data:`CSV_COLUMNS`) into its run folder; 
 protocol, stride, split, seed, tokens and time trained, environment, and the fields its caller adds
 (``scored_split``, ``status``, ``world_size``, …) — then ``results``, one row per evaluation length with its
 per-position and per-window NLL, and ``config``, the resolved config. A failed run's record is ``{format,
-status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (posbench/report/compare.py).
+status: "failed", error, step, results: [], config}``. ``posbench report`` reads these records (posbench/report/records.py).
 
     rec = record(config, rows, "rope", split="validation", train_tokens=n, train_seconds=s, device="cpu", threads=4)
     write_results(run_dir, rec)                                  # results.json, results.csv

@@ -1,11 +1,12 @@
-"""The report of many runs, rendered (docs/design.md §8): what posbench/report/compare.py computes, as files.
+"""The report of many runs, rendered (docs/design.md §8): the records posbench/report/records.py collects and what
+posbench/report/compare.py computes from them, as files.
 
 ``posbench report FOLDER...`` (and the end of every multirun) writes into a folder ``report.md`` (a table per
 evaluation setting, rows labelled short with a legend table of the settings that differ, ★ against each column's
 reference with the tests named and a footnote where a printed number does not tell its verdict; the probes' tables;
-the settings held fixed; skipped runs), ``report.csv`` (the same numbers and tests, long format, with the full
-``setting`` beside each short ``label``), ``passkey.csv`` and ``context.csv`` with the probes, and the plots of
-posbench/report/plots.py (:func:`_draw`).
+the settings held fixed; fine-tuned runs whose parent is not reported; skipped runs, each with the reason),
+``report.csv`` (the same numbers and tests, long format, with the full ``setting`` beside each short ``label``),
+``passkey.csv`` and ``context.csv`` with the probes, and the plots of posbench/report/plots.py (:func:`_draw`).
 
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 from posbench.evaluation import context, retrieval, stats
 from posbench.evaluation.results import split_text
 from posbench.report import compare, plots
+from posbench.report.records import collect, origin_length, orphans
+from posbench.report.settings import settings, value_key
 
 log = logging.getLogger("posbench")
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
@@ -276,12 +279,12 @@ def write_report(folders: list[Path], out: Path) -> tuple[str, list[dict], dict[
     """Collect, fold, write report.md / report.csv / passkey.csv / context.csv and the PNGs into ``out``; return
     (tables, rows, images).
 
-    Raises posbench.report.compare.ReportError when there is nothing to report."""
-    records, skipped = compare.collect(folders)
-    for line in skipped:
-        log.warning("skipped %s", line)
+    Raises posbench.report.records.ReportError when there is nothing to report."""
+    records, skipped = collect(folders)
+    for line in [*(f"skipped {line}" for line in skipped), *orphans(records)]:
+        log.warning("%s", line)
     rows = compare.fold(records)
-    train_length = compare.origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
+    train_length = origin_length(records[0])  # (collect keeps one L; a fine-tune's is its line's first)
     out.mkdir(parents=True, exist_ok=True)
     names = {r["setting"]: r for r in rows}
     _write_csv(out / "report.csv", REPORT_COLUMNS, ({**r, "lengths": " ".join(map(str, r["lengths"]))} for r in rows))
@@ -307,16 +310,16 @@ def render_markdown(records: list[dict], rows: list[dict], skipped: list[str], i
                     context_cells: list[dict]) -> str:
     """report.md's text, from what :func:`write_report` gathered (the records, their folded ``rows``, the ``skipped``
     lines, the names of the images drawn, the probes' cells); it reads and writes nothing."""
-    train_length = compare.origin_length(records[0])
-    _, fixed, varying, per_scheme = compare.settings(records)
+    train_length = origin_length(records[0])
+    _, fixed, varying, per_scheme = settings(records)
     names = {r["setting"]: r for r in rows}
-    seeds = sorted({r["seed"] for r in records}, key=compare.value_key)
+    seeds = sorted({r["seed"] for r in records}, key=value_key)
     sections = [("Settings held fixed", [f"`{k}` = {v}" for k, v in fixed.items()]),
                 ("Scheme settings", [", ".join(names) + ": " + ", ".join(f"`{k}` = {v}" for k, v in json.loads(vals).items())
                                      for vals, names in _grouped(per_scheme).items()]),
                 ("Settings that differ but do not split rows (bookkeeping; evaluation settings are in the table titles)",
                  [f"`{k}`: {', '.join(v)}" for k, v in varying.items()]),
-                ("Skipped", skipped)]
+                ("Fine-tuned runs whose parent is not reported", orphans(records)), ("Skipped", skipped)]
     return (f"# posbench report: perplexity by evaluation length (L = {train_length})\n\n"
             + ("Fine-tuned runs (started from a parent's weights, `init_from`) are labelled `ft<length>×<steps>`; L is "
                "that of the first run of their line (the parent's), and their budget is in the tokens column.\n\n"

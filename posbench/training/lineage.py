@@ -55,6 +55,11 @@ SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune ma
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
 
 
+def config_sha256(config: dict) -> str:
+    """A run's config hash, as a fine-tune's lineage records its parent's: SHA-256 of the config as sorted JSON."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Parent:
     """The run a new run starts from: its checkpoint file and contents (``posbench.training.checkpoint.read``, memory-mapped)."""
@@ -83,7 +88,7 @@ class Parent:
         config, own = self.state["config"], self.state.get("train_tokens")
         earlier = self.state.get("lineage") or {}
         return {"folder": str(self.path.parent), "checkpoint": str(self.path), "step": self.state.get("step"),
-                "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+                "config_sha256": config_sha256(config),
                 "train_tokens": own, "total_train_tokens": self.state.get("total_train_tokens", own),
                 "label": run_label(config, earlier or None), "scheme": self.scheme["name"],
                 "train_length": self.length, "origin_length": earlier.get("origin_length", self.length),
