@@ -222,11 +222,12 @@ def test_block_masks_are_built_before_the_peak_memory_is_reset(monkeypatch, case
     """Every Flex kernel (as on CUDA; Flex's call itself stubbed): the BlockMask of the evaluated length, causal or
     the window's, is in posbench.attention.flex's cache when the high-water mark is read after its reset, and the measured
     forward builds none (before, the first Flex case at a length counted it and later cases on CUDA reused it)."""
-    from posbench.attention import dispatch, flex
+    from posbench.attention import choice, dispatch, flex
 
     b = load_benchmark()
     monkeypatch.setattr(flex, "_block_masks", {})
-    monkeypatch.setattr(dispatch, "choose_kernel", lambda *a, **k: "flex")
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda *a, **k: "flex")  # (the model's layers)
+    monkeypatch.setattr(choice, "choose_kernel", lambda *a, **k: "flex")  # (the benchmark's own cases)
     monkeypatch.setattr(flex, "run", lambda q, k, v, *a, **kw: v)
     seen = []
     monkeypatch.setattr(b, "hwm", lambda: seen.append(set(flex._block_masks)) or 0)

@@ -29,7 +29,9 @@ COMMON = ["debug=fast", "train.threads=1", "eval.lengths=[32,64]", "eval.max_tok
 PRELUDE = textwrap.dedent("""
     import os, signal, sys
     import torch
-    from posbench import build, checkpoint, train
+    from posbench.model import build
+    from posbench.training import checkpoint
+    from posbench.training import loop as train
     what, at, who = os.environ["INJECT"], int(os.environ["INJECT_STEP"]), int(os.environ["INJECT_RANK"])
     if int(os.environ["RANK"]) == who:
         if what == "sigterm":
@@ -62,7 +64,7 @@ PRELUDE = textwrap.dedent("""
             def check_room(folder, nbytes):
                 raise checkpoint.CheckpointError(f"{str(folder)!r} has 0 MiB free (injected)")
             checkpoint.check_room = check_room
-    from posbench import data
+    from posbench.data import cache as data
     train_tokenizer = data.train_tokenizer
     def counted(*args, **kwargs):
         print("posbench-test: training the tokenizer", file=sys.stderr, flush=True)

@@ -383,7 +383,9 @@ APP = textwrap.dedent("""
     import json, os, time
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from posbench import cli, config, gpus
+    from posbench import cli
+    from posbench.config import schema  # (registers ${posbench_times:})
+    from posbench.runtime import gpus
 
     @hydra.main(config_path="pkg://posbench.conf", config_name="train", version_base="1.3")
     def task(cfg):

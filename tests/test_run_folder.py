@@ -97,7 +97,7 @@ def test_a_second_process_in_a_folder_in_use_stops_naming_the_folder_and_the_oth
 
 
 def test_the_lock_is_exclusive_between_processes_and_released_with_its_file(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from posbench import runlock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from posbench.runtime import runlock; "
                                f"runlock.acquire({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, env=cli_env())
     try:
@@ -145,7 +145,7 @@ def test_a_folder_in_use_is_named_before_its_training_states_are_read(posbench_h
     verdict on states read at a bad moment (here: a lone state that reads as corrupt)."""
     (state,) = (existing_run / "checkpoints").glob("step-*.pt")
     state.write_bytes(state.read_bytes()[:100])
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from posbench import runlock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from posbench.runtime import runlock; "
                                f"runlock.acquire({str(existing_run)!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, env=cli_env())
     try:
