@@ -34,6 +34,9 @@ from posbench.jobs import command
      "'seed=range(0,3)' "),  # (quoted for the shell, as every suggested command)
     (["eval.probes=passkey,context"], "eval.probes=passkey,context: eval.probes takes a list, written in brackets "
      "(quoted, for the shell): 'eval.probes=[passkey,context]'; without -m a comma-separated value is a sweep"),
+    (["shceme=rope"], "unknown config key 'shceme'; did you mean scheme? see the keys with: posbench train --cfg job"),
+    (["train.stpes=2"], "unknown config key 'train.stpes'; did you mean train.steps? see the keys with: "),
+    (["scheme.bse=5"], "scheme.bse is not an option of the rope scheme; did you mean scheme.base? its options: base, "),
     (["extend@pkg=yarn"], "extend@pkg=yarn: posbench's config groups take no package (@pkg); write extend=yarn"),
     (["+debug@foo=fast"], "+debug@foo=fast: posbench's config groups take no package (@foo); write +debug=fast"),
     (["hydra/launcher@x=joblib"], "hydra/launcher@x=joblib: posbench's config groups take no package (@x); write "
@@ -102,6 +105,11 @@ def test_eval_takes_hydras_info_flag_and_one_run(trained_run, posbench_here):
      "folder alone) and its options as key=value, e.g. posbench eval run=outputs/…_alibi eval.protocol=sliding"),
     (["run=RUN", "eval.foo=1"], "unknown config key 'eval.foo'; see the keys with: posbench eval run=<run folder> --cfg job"),
     (["run=RUN", "foo=1"], "unknown config key 'foo'; see the keys with: posbench eval run=<run folder> --cfg job"),
+    (["run=RUN", "eval.lenghts=[64]"], "unknown config key 'eval.lenghts'; did you mean eval.lengths? see the keys with: "
+     "posbench eval run=<run folder> --cfg job"),
+    (["run=RUN", "eval_experiment=remaps"], "eval_experiment=remaps declares a sweep over eval.remap, model.attn_scale: "
+     "run it with -m (posbench eval -m run=<run> eval_experiment=remaps), or run one of its jobs with eval.remap=<one of "
+     "none,streaming,lm_infinite,rerope,leaky_rerope,self_extend,dca> model.attn_scale=<one of none,log_n_clipped>"),
 ])
 def test_eval_hints_name_eval(args, message, trained_run, posbench_here, tmp_path):
     before = snapshot(trained_run)

@@ -151,8 +151,9 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
     if config_name == "train" and preset in FINE_TUNES and cfg.init_from is None:
         raise ConfigError(f"experiment={preset} fine-tunes a trained run: give it one with init_from=<run folder or "
                           f"its checkpoint.pt>, e.g. posbench train -m experiment={preset} init_from=outputs/rope128")
-    if config_name == "train" and not multirun:
-        unpinned(hydra_cfg, preset)
+    if not multirun:
+        unpinned(hydra_cfg, preset if config_name == "train" else hydra_cfg.runtime.choices.get("eval_experiment"),
+                 config_name)
     if config_name == "eval":
         job = eval_job.prepare(cfg)
         return key, job, job.run_dir
@@ -162,11 +163,12 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
     return key, train_job.prepare(cfg, None if multirun else folder), folder
 
 
-def unpinned(hydra_cfg: DictConfig, preset: str | None) -> None:
+def unpinned(hydra_cfg: DictConfig, preset: str | None, config_name: str = "train") -> None:
     """Raise ConfigError for a single run (no ``-m``) of a preset that declares a sweep
-    (``hydra.sweeper.params``) and whose command line does not pick a value of every key it sweeps: Hydra would
-    silently run the config's defaults, one job, where the preset means a sweep. A command line that picks each
-    swept key runs that one job of the sweep (``posbench train experiment=demo scheme=alibi``)."""
+    (``hydra.sweeper.params``: ``experiment=demo`` of ``posbench train``, ``eval_experiment=remaps`` of ``posbench
+    eval``) and whose command line does not pick a value of every key it sweeps: Hydra would silently run the config's
+    defaults, one job, where the preset means a sweep. A command line that picks each swept key runs that one job of
+    the sweep (``posbench train experiment=demo scheme=alibi``)."""
     declared = hydra_cfg.sweeper.params or {}
     given = {bare(o.split("=", 1)[0]) for o in hydra_cfg.overrides.task}
     command = [*hydra_cfg.overrides.task, *(o for o in hydra_cfg.overrides.hydra
@@ -174,9 +176,10 @@ def unpinned(hydra_cfg: DictConfig, preset: str | None) -> None:
     free = [k for k in declared if bare(k) not in given]
     if free:
         pins = " ".join(f"{k}=<one of {declared[k]}>" for k in free)
-        name = f"experiment={preset}" if preset else "the config"
+        group = "experiment" if config_name == "train" else "eval_experiment"
+        name = f"{group}={preset}" if preset else "the config"
         raise ConfigError(f"{name} declares a sweep over {', '.join(free)}: run it with -m "
-                          f"(posbench train -m {shlex.join(command)}), or run one of its jobs with {pins}")
+                          f"(posbench {config_name} -m {shlex.join(command)}), or run one of its jobs with {pins}")
 
 
 def writable(folder: Path, fix: str) -> None:

@@ -10,6 +10,7 @@ line that the CLI prints before exiting 2.
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
 from importlib.resources import files
@@ -63,8 +64,10 @@ def one_line(err: Exception, overrides: tuple[str, ...] = (), command: str = "tr
                     f"(see them with: posbench train scheme=<name> --cfg job)")
         if scheme is not None:
             options = ", ".join(SCHEMES[scheme].options()) or "none"
-            return f"{key} is not an option of the {scheme} scheme; its options: {options}"
-        return f"unknown config key {key!r}; see the keys with: {SHOW_KEYS[command]}"
+            return (f"{key} is not an option of the {scheme} scheme;{did_you_mean(key, SCHEMES[scheme].options())} "
+                    f"its options: {options}")
+        return f"unknown config key {key!r};{did_you_mean(key, known_keys(key, command))} see the keys with: " \
+            f"{SHOW_KEYS[command]}"
     if key and "is not a ListConfig, list or tuple" in text:  # `eval.probes=passkey`: a value where a list goes
         return f"{key}={err.value}: {key} must be a list, e.g. '{key}=[{err.value}]' (quoted, for the shell)"
     if key and "could not be converted" in text:
@@ -78,6 +81,24 @@ def _parses(override: str) -> bool:
         return True
     except OverrideParseException:
         return False
+
+
+def did_you_mean(key: str, names) -> str:
+    """`` did you mean <name>?`` for the name among ``names`` closest to the last part of ``key`` (difflib's ratio at
+    least 0.6), with ``key``'s parent before it; "" when none is close."""
+    parent, _, last = key.rpartition(".")
+    close = difflib.get_close_matches(last, list(names), n=1, cutoff=0.6)
+    return f" did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+
+
+def known_keys(key: str, command: str) -> list[str]:
+    """The keys beside ``key`` in ``posbench <command>``'s schema (its parent section's; at the top, the config
+    groups too)."""
+    parent = key.rpartition(".")[0]
+    node = OmegaConf.select(OmegaConf.structured(PosbenchConfig if command == "train" else eval_schema()), parent) \
+        if parent else OmegaConf.structured(PosbenchConfig if command == "train" else eval_schema())
+    keys = list(node.keys()) if hasattr(node, "keys") else []
+    return keys if parent else [*keys, *(TRAIN_GROUPS if command == "train" else ("eval_experiment",))]
 
 
 SHOW_KEYS = {"train": "posbench train --cfg job", "eval": "posbench eval run=<run folder> --cfg job"}
