@@ -123,7 +123,8 @@ def test_hydra_composes_the_toy_with_its_option(toy):
 
 @pytest.mark.parametrize("overrides, message", [
     (["scheme=toy", "scheme.gamma=2"], "scheme.gamma=2.0: the toy bias needs 0 < gamma <= 1"),
-    (["scheme=toy", "scheme.gama=0.25"], "scheme.gama is not an option of the toy scheme; its options: gamma"),
+    (["scheme=toy", "scheme.gama=0.25"], "scheme.gama is not an option of the toy scheme; did you mean scheme.gamma? its "
+     "options: gamma"),
     (["scheme=rope", "scheme.gamma=0.25"], "scheme.gamma is not an option of the rope scheme; its options: base, scaling, "
      "factor, beta_fast, beta_slow, original_length, yarn_ramp, low_freq_factor, high_freq_factor, rotary_fraction"),
 ])
