@@ -11,8 +11,9 @@ __version__ = "0.1.0"
 # family file needs no entry). A wing's __init__ is a docstring unless a level names it (the schemes' registry).
 LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     # devices and threads, torchrun ranks, free memory, one GPU per sweep job, stop signals, the run folder's lock,
-    # timers; wandb
-    ("runtime", (("device", "dist", "free_memory", "gpus", "signals", "runlock", "timers"), ("tracking",))),
+    # a sweep's stop, timers; wandb
+    ("runtime", (("device", "dist", "free_memory", "gpus", "signals", "runlock", "sweep_stop", "timers"),
+                 ("tracking",))),
     # the PositionalScheme interface, RoPE's scalings, the scheme families, the registry
     ("schemes", (("base", "rope_scaling"), ("*",), ("__init__",))),
     # windows, temperatures; SDPA per block of queries; Flex, the remap methods; which kernel runs, the plain kernels,

@@ -17,7 +17,10 @@ prepared for it (in this process; a sweep's worker process prepares its own, onc
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,8 +48,8 @@ from posbench.jobs import command, eval_job, overrides, train_job
 from posbench.jobs.command import CONFIG_MODULE, writable
 from posbench.report import compare, render
 from posbench.report.records import ReportError
-from posbench.runtime import dist, gpus, runlock  # (gpus registers ${posbench_gpus:})
-from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted
+from posbench.runtime import dist, gpus, runlock, sweep_stop  # (gpus registers ${posbench_gpus:})
+from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted, exit_status
 from posbench.runtime.tracking import Tracker
 from posbench.schemes import SCHEMES
 from posbench.training.checkpoint import CheckpointError
@@ -112,6 +115,26 @@ def _run_name(job: TrainJob, hc) -> str:
 def _train(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    # a sweep whose jobs run on this machine (joblib's workers, or this process) stops as one
+    # (posbench/runtime/sweep_stop.py); a SLURM task (submitit) stops and requeues on its own
+    sweep = Path(hc.sweep.dir) if multirun and "submitit" not in str(hc.launcher.get("_target_", "")) else None
+    if sweep is not None:
+        sweep_stop.as_worker()
+        if sweep_stop.requested(sweep) is not None:
+            print(f"not started, the sweep was stopped: {out_dir}", file=sys.stderr, flush=True)
+            return
+    try:
+        _train_job(cfg, hc, out_dir, sweep)
+    except Exit:
+        if sweep is None:
+            raise  # (a sweep's job says what failed and returns: an exit would take joblib's pool down with it)
+
+
+def _train_job(cfg: DictConfig, hc, out_dir: Path, sweep: Path | None) -> None:
+    """One training job in ``out_dir``: lock the folder, prepare, train, say how it ended; ``sweep``: the folder of a
+    sweep that stops as one (None: a single run, or a SLURM task). Such a sweep's finished job is skipped, and a
+    stopped one stops the sweep (its stop file) instead of exiting."""
     try:
         command.lock(out_dir)  # a sweep's job: its folder is named now (a single run's was taken by preflight)
     except command.Refused as e:
@@ -122,6 +145,9 @@ def _train(cfg: DictConfig) -> None:
             job = train_job.in_folder(command.job_for(cfg, train_job.prepare), out_dir)
         except (ConfigError, DataError) as e:
             fail(str(e))
+        if sweep is not None and finished(job, out_dir):
+            print(f"finished already, skipped: {out_dir}", flush=True)
+            return
         if dist.rank() == 0:
             print(f"run folder: {out_dir}", flush=True)
         multirun = hc.mode == RunMode.MULTIRUN
@@ -129,7 +155,7 @@ def _train(cfg: DictConfig) -> None:
                                       sweep_dir=Path(hc.sweep.dir) if multirun else None,
                                       config={**to_dict(job.config), **({"lineage": job.lineage} if job.lineage else {})})
         try:
-            train(job, tracker)
+            train(job, tracker, sweep_stop.path(sweep) if sweep is not None else None)
         except CheckpointError as e:
             tracker.finish(exit_code=2)
             fail(str(e))
@@ -140,11 +166,26 @@ def _train(cfg: DictConfig) -> None:
                 raise Exit(1)  # in a sweep the other jobs go on; the report lists this run as failed
         except Preempted as e:
             tracker.finish(exit_code=e.exit_status)
-            print(f"posbench: {e}", file=sys.stderr)
-            raise Exit(e.exit_status)
+            if sweep is None:
+                print(f"posbench: {e}", file=sys.stderr)
+                raise Exit(e.exit_status)
+            sweep_stop.request(sweep, e.signum)  # (a signal of its own: the sweep stops as one)
+            print(f"posbench: {e.saved}", file=sys.stderr, flush=True)
+            return
         tracker.finish()
         if dist.rank() == 0:
             print(f"run folder: {out_dir}", flush=True)
+
+
+def finished(job: TrainJob, out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds this job finished: its training state at the last step (the same config: the job's
+    resume checks passed) and a complete results.json."""
+    if not job.state or job.state.get("step", 0) < job.config.train.steps or not (out_dir / "results.json").is_file():
+        return False
+    try:
+        return json.loads((out_dir / "results.json").read_text()).get("status") == "complete"
+    except ValueError:
+        return False
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="eval", version_base="1.3")
@@ -165,10 +206,16 @@ def _eval(cfg: DictConfig) -> None:
 
 
 class ReportCallback(Callback):
-    """Hydra callback (conf/train.yaml): at the end of every multirun, write the report into the sweep folder,
-    print its tables, and log the perplexity-vs-length chart and the PNGs to a wandb run of the sweep's group."""
+    """Hydra callback (conf/train.yaml): at the start of a multirun, the parent takes Ctrl-C and SIGTERM to stop the
+    sweep as one (posbench/runtime/sweep_stop.py); at its end, write the report into the sweep folder, print its
+    tables, and log the perplexity-vs-length chart and the PNGs to a wandb run of the sweep's group."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if config.hydra.job.name == "train" and "submitit" not in str(config.hydra.launcher.get("_target_", "")):
+            sweep_stop.PARENT.start(Path(config.hydra.sweep.dir))  # Ctrl-C and SIGTERM stop the sweep as one
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_stop.PARENT.end()
         sweep = Path(config.hydra.sweep.dir)
         try:
             table_text, rows, images = render.write_report([sweep], sweep)
@@ -218,9 +265,48 @@ def main(argv: list[str] | None = None) -> None:
         _main(argv)
     except KeyboardInterrupt as e:
         dist.finish(together=False)
-        said = e.advice() if isinstance(e, Interrupted) else INTERRUPTED.get(argv[0] if argv else "", "")
+        sweep = sweep_stop.PARENT.sweep_dir
+        if sweep is not None:  # the second Ctrl-C of a sweep (joblib kills its jobs)
+            sweep_stop.clear(sweep)
+            said = (" again: the sweep quit at once, each job keeping its newest saved training state; "
+                    + resume_hint(argv, sweep))
+        else:
+            said = e.advice() if isinstance(e, Interrupted) else INTERRUPTED.get(argv[0] if argv else "", "")
         print(f"posbench: interrupted (Ctrl-C){said}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def resume_hint(argv: list[str], sweep: Path) -> str:
+    """How to resume the sweep in ``sweep`` that ``argv`` (``train -m …``) started: its command with
+    ``hydra.sweep.dir``."""
+    again = ["posbench", *(a for a in argv if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={sweep}"]
+    return ("to resume this sweep (each job from its training state, the finished ones skipped, the rest started), "
+            f"run the same command with hydra.sweep.dir: {shlex.join(again)}")
+
+
+def broken_sweep(argv: list[str], sweep: Path) -> None:
+    """After a sweep that ended in an error (Hydra's message above): name the jobs whose run folder still holds a lock
+    file, which a process that died left (a worker killed, out of memory, and the jobs joblib then killed with it),
+    and say how to resume the sweep."""
+    left = sorted(str(p.parent) for p in sweep.glob(f"*/{runlock.NAME}"))
+    if left:
+        print(f"posbench: a job's process died and joblib stopped the sweep's other jobs at once; the jobs that were "
+              f"running, each keeping its newest saved training state: {', '.join(left)}; {resume_hint(argv, sweep)}",
+              file=sys.stderr, flush=True)
+
+
+def stopped_sweep(argv: list[str]) -> None:
+    """After a sweep a signal stopped (posbench/runtime/sweep_stop.py): say so and how to resume it, and exit with the
+    signal's status (130 for Ctrl-C, 75 for SIGTERM)."""
+    sweep = sweep_stop.PARENT.sweep_dir
+    signum = sweep_stop.requested(sweep) if sweep is not None else None
+    if signum is None:
+        return
+    sweep_stop.clear(sweep)
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
+    print(f"posbench: {what}: the sweep's running jobs saved their training states and stopped, and no other job "
+          f"started; {resume_hint(argv, sweep)}", file=sys.stderr, flush=True)
+    raise Exit(exit_status(signum))
 
 
 def _main(argv: list[str]) -> None:
@@ -251,10 +337,13 @@ def _main(argv: list[str]) -> None:
         preflight(rest, config_name)
         os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep
         task()
+        stopped_sweep(argv)
     except Exit:  # a refused, failed or preempted run: every rank exits here with the same status
         dist.finish()
         raise
-    except BaseException:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave
+    except BaseException as e:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave
         dist.finish(together=False)  # without waiting for the others
+        if isinstance(e, SystemExit) and sweep_stop.PARENT.sweep_dir is not None:
+            broken_sweep(argv, sweep_stop.PARENT.sweep_dir)
         raise
     dist.finish()

@@ -10,6 +10,7 @@ runs a signal handler only between operations, so a watcher thread, woken by the
 after the signal.
 
     with StopSignals() as stop:       # in the loop: stop.step_ended() after every step; stop.received → act
+    StopSignals(stop_file=sweep / "posbench.stop")   # a sweep's job: its parent's stop counts as a signal
         ...
 """
 
@@ -19,6 +20,7 @@ import logging
 import signal
 import socket
 import threading
+from pathlib import Path
 
 log = logging.getLogger("posbench")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # a scheduler's stop, SLURM's warning, Ctrl-C
@@ -62,15 +64,22 @@ class StopSignals:
             such as submitit's requeue, is the loop's to call after its checkpoint).
     """
 
-    def __init__(self, notice_after: float = NOTICE_AFTER_S):
+    def __init__(self, notice_after: float = NOTICE_AFTER_S, stop_file: Path | None = None):
         self.received: list[tuple] = []
         self.previous: dict = {}
         self.notice_after = notice_after
+        self.stop_file = stop_file
         self._stepped = threading.Event()
 
     def step_ended(self) -> None:
-        """Called by the loop after every step: a step that ends in time needs no notice."""
+        """Called by the loop after every step: a step that ends in time needs no notice. With a ``stop_file`` (a
+        sweep's: posbench/runtime/sweep_stop.py), its signal counts as received once the file is there."""
         self._stepped.set()
+        if self.stop_file is not None and not self.received and self.stop_file.exists():
+            name = self.stop_file.read_text().strip()
+            self.received.append((int(signal.Signals[name]) if name in signal.Signals.__members__ else signal.SIGTERM,
+                                  None))
+            log.warning("%s to the sweep: stopping after this step, to save a checkpoint", name)
 
     def _note(self, signum, frame) -> None:
         if signum == signal.SIGINT and any(s == signal.SIGINT for s, _ in self.received):

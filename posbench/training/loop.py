@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -52,11 +53,12 @@ class TrainingFailed(RuntimeError):
 
 class Preempted(Exception):
     """SIGTERM, SIGUSR2 or SIGINT arrived and a checkpoint was saved. The CLI exits with ``exit_status``
-    (75, or 130 for Ctrl-C: posbench/runtime/signals.py)."""
+    (75, or 130 for Ctrl-C: posbench/runtime/signals.py); ``signum``: the signal, ``saved``: what was saved where
+    (the message without the single run's resume hint, which a sweep's job does not take)."""
 
-    def __init__(self, message: str, exit_status: int):
-        super().__init__(message)
-        self.exit_status = exit_status
+    def __init__(self, saved: str, signum: int, run_dir):
+        super().__init__(f"{saved}; to resume, run the same command with hydra.run.dir={run_dir}")
+        self.saved, self.signum, self.exit_status = saved, signum, exit_status(signum)
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,10 @@ class Process:
     threads: int
 
 
-def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
+def train(job: TrainJob, tracker: Tracker | None = None, stop_file: Path | None = None) -> dict:
     """Train (or resume), checkpoint and evaluate the prepared ``job`` in its run folder ``job.run_dir``; return the
-    results record. ``tracker`` (a :class:`posbench.runtime.tracking.Tracker`) receives train and eval metrics.
+    results record. ``tracker`` (a :class:`posbench.runtime.tracking.Tracker`) receives train and eval metrics;
+    ``stop_file``: a sweep's stop file (posbench/runtime/sweep_stop.py), read after every step as a stop signal.
 
     Raises:
         posbench.training.checkpoint.CheckpointError: the run folder cannot take a checkpoint.
@@ -101,7 +104,7 @@ def train(job: TrainJob, tracker: Tracker | None = None) -> dict:
              proc.device, proc.threads, job.corpus.root, job.corpus.vocab_size)
     dtype = autocast_dtype(t.precision, proc.device)
     log.info("on: %s training%s", "bf16 autocast" if dtype else "fp32", "".join(f", {o}" for o in training_options(cfg)))
-    with StopSignals() as stop:
+    with StopSignals(stop_file=stop_file) as stop:
         try:
             if Loop(job, model, optimizer, states, proc, tracker).run(progress, stop):  # a stop signal reached a rank
                 states.save(progress, model, optimizer)
@@ -127,8 +130,8 @@ def hand_off(stop: StopSignals, step: int, out_dir) -> None:
     signum, frame = stop.received[0] if stop.received else (signal.SIGTERM, None)
     if signum == signal.SIGUSR2 and callable(stop.previous[signum]):
         stop.previous[signum](signum, frame)
-    raise Preempted(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in {out_dir / checkpoint.STATES}; "
-                    f"to resume, run the same command with hydra.run.dir={out_dir}", exit_status(signum))
+    raise Preempted(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in {out_dir / checkpoint.STATES}",
+                    signum, out_dir)
 
 
 def evaluate_run(job: TrainJob, model: torch.nn.Module, proc: Process, tracker: Tracker) -> tuple[list[dict], dict]:
