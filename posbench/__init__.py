@@ -24,8 +24,8 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("data", (("corpora", "needles"), ("cache", "batches"))),
     # significance tests, perplexity protocols; the probes and the passkey cells; one run's record
     ("evaluation", (("stats", "perplexity"), ("passkey", "context", "retrieval"), ("results",))),
-    # the value checks; the evaluation's and remap's; the schema and finalize; records of older formats
-    ("config", (("checks",), ("eval_checks",), ("schema",), ("upgrade",))),
+    # the value checks, conf/'s resolvers; the evaluation's and remap's checks; the schema and finalize; older records
+    ("config", (("checks", "resolvers"), ("eval_checks",), ("schema",), ("upgrade",))),
     # the tied head and loss in one op; the decoder; spec → model; the memory estimate
     ("model", (("head",), ("gpt",), ("build",), ("memory",))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop

@@ -105,7 +105,7 @@ def test_eval_on_the_test_split(run, tmp_path, torch_state):
 @pytest.fixture(scope="module")
 def reevaluated(run, tmp_path_factory) -> Path:
     """A copy of the run evaluated again in this process as it was trained (nonoverlapping), then with linear
-    RoPE scaling ×4: eval-rope-nonoverlapping-validation-1.json and eval-rope+linearx4-…-1.json beside its results."""
+    RoPE scaling ×4: eval-rope-nonoverlapping-validation-1.json and eval-rope_linearx4_at_eval-…-1.json beside its results."""
     folder = copy_run(run, tmp_path_factory.mktemp("reevaluated") / "run")
     with kept_torch_state():
         assert eval_here(f"run={folder}", *EVAL, "eval.protocol=nonoverlapping")["results"]
@@ -325,16 +325,16 @@ def test_eval_with_linear_scaling_equals_positions_divided_by_the_factor(reevalu
 
     folder = reevaluated
     plain = json.loads((folder / "eval-rope-nonoverlapping-validation-1.json").read_text())
-    scaled = json.loads((folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").read_text())
+    scaled = json.loads((folder / "eval-rope_linearx4_at_eval-nonoverlapping-validation-1.json").read_text())
     assert "scheme_overrides" not in plain and plain["config"]["scheme"]["scaling"] == "none"
-    assert scaled["scheme"] == "rope" and scaled["label"] == "rope+linear×4" and plain["label"] == "rope"
+    assert scaled["scheme"] == "rope" and scaled["label"] == "rope (linear×4 at eval)" and plain["label"] == "rope"
     assert scaled["scheme_overrides"] == {"scaling": "linear", "factor": 4.0, "original_length": 32}
     assert scaled["config"]["scheme"] == {"name": "rope", "base": 10000.0, "scaling": "linear", "factor": 4.0,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "original_length": 32,
                                           "yarn_ramp": "reference", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "rotary_fraction": 1.0}
     assert ppls(folder / "eval-rope-nonoverlapping-validation-1.json") == ppls(folder / "results.json")
-    assert all(a != b for a, b in zip(ppls(folder / "eval-rope+linearx4-nonoverlapping-validation-1.json").values(),
+    assert all(a != b for a, b in zip(ppls(folder / "eval-rope_linearx4_at_eval-nonoverlapping-validation-1.json").values(),
                                       ppls(folder / "results.json").values()))
 
     state = torch.load(folder / "checkpoint.pt", weights_only=True)

@@ -78,8 +78,8 @@ def test_yarn_on_an_xpos_run_from_the_command_line(data_cache, tmp_path, torch_s
     run = tmp_path / "xpos"
     assert train_here(data_cache, run, "scheme=xpos", *EVAL)["status"] == "complete"
     assert eval_here(f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4")["results"]
-    rec = json.loads((run / "eval-xpos+yarnx4-nonoverlapping-validation-1.json").read_text())
-    assert rec["label"] == "xpos+yarn×4" and rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0,
+    rec = json.loads((run / "eval-xpos_yarnx4_at_eval-nonoverlapping-validation-1.json").read_text())
+    assert rec["label"] == "xpos (yarn×4 at eval)" and rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0,
                                                                          "original_length": 32}
     trained = json.loads((run / "results.json").read_text())
     assert all(a != b for a, b in zip((r["nll"] for r in rec["results"]), (r["nll"] for r in trained["results"])))

@@ -140,7 +140,7 @@ def test_posbench_eval_applies_a_temperature_to_a_trained_run(existing_run, torc
     lengths = "eval.lengths=[32,128]"
     plain = eval_here(f"run={existing_run}", lengths, "eval.max_tokens=512")
     hot = eval_here(f"run={existing_run}", lengths, "eval.max_tokens=512", "model.attn_scale=floor_log")
-    assert hot["label"] == "rope+floor_log" and "model_overrides" not in plain
+    assert hot["label"] == "rope (floor_log at eval)" and "model_overrides" not in plain
     assert hot["model_overrides"] == {"attn_scale": "floor_log", "scale_length": 32}
     assert hot["results"][0]["nll"] == plain["results"][0]["nll"]  # at L = 32
     assert hot["results"][1]["nll"] != plain["results"][1]["nll"]  # at 4L
@@ -148,7 +148,7 @@ def test_posbench_eval_applies_a_temperature_to_a_trained_run(existing_run, torc
     assert "rope (floor_log at eval)" in {label_of(r) for r in records}
     scaled = eval_here(f"run={existing_run}", lengths, "eval.max_tokens=512", "model.attn_scale=log_n_clipped",
                        "model.scale_length=64")
-    assert scaled["label"] == "rope+log_n_clipped64" and scaled["results"][0]["nll"] == plain["results"][0]["nll"]
+    assert scaled["label"] == "rope (log_n_clipped64 at eval)" and scaled["results"][0]["nll"] == plain["results"][0]["nll"]
 
 
 EVAL_REFUSALS = [

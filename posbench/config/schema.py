@@ -26,7 +26,7 @@ from posbench.attention import remap as remapping
 from posbench.attention.dispatch import QK_NORM_LAYERS, QK_NORMS
 from posbench.attention.temperature import ATTN_SCALES, BETA, SCALE_LAYERS
 from posbench.attention.windows import WINDOW_KINDS
-from posbench.config import checks, eval_checks
+from posbench.config import checks, eval_checks, resolvers  # noqa: F401  (resolvers: conf/'s ${posbench_*:})
 from posbench.config.checks import ConfigError, check_choices, check_keys, choices, longest_length
 from posbench.evaluation import context, passkey
 from posbench.schemes import SCHEMES
@@ -34,14 +34,6 @@ from posbench.schemes import SCHEMES
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluation/perplexity.py
 
 
-def times(value, factor) -> int:
-    """``${posbench_times:${train.seq_len},0.25}``: ``value`` × ``factor`` as an int (rounded), so that a preset can
-    give a length as a multiple of L (conf/hybrid/: W = L/4, L_t = 16L) that follows ``train.seq_len`` (debug=fast's
-    L = 32 too). Registered with OmegaConf wherever this module is imported (joblib and SLURM workers as well)."""
-    return int(round(float(value) * float(factor)))
-
-
-OmegaConf.register_new_resolver("posbench_times", times, replace=True)
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/training/lineage.py
 SPLITS = ("validation", "test")
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/training/loop.py lr_factor

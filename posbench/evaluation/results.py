@@ -78,6 +78,30 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     return f"{changed}{label} ft{config['train']['seq_len']}" + (f"×{config['train']['steps']}" if steps else "")
 
 
+def applied(config: dict, trained: dict, lineage: dict | None = None) -> tuple[str, str] | None:
+    """What an evaluation of a trained run applied on top of it: other scheme options or another temperature
+    (``posbench eval … scheme.scaling=yarn``, ``… model.attn_scale=floor_log``), as (the trained run's label with this
+    evaluation's remap, what the options add: ``yarn×4``, ``floor_log``, or the whole new variant where it does not
+    extend the trained one: ``rope+yarn×2.5``); None where the scheme and the temperature are the trained ``config``'s."""
+    base, new = variant_label(trained["scheme"]), variant_label(config["scheme"])
+    parts = [new[len(base) + 1:] if new.startswith(base + "+") else new] if new != base else []
+    temperature = temperature_label(config)
+    if temperature != temperature_label(trained):
+        parts.append(temperature[1:] or "attn_scale=none")
+    if not parts:
+        return None
+    remapped = {**trained, "eval": config.get("eval") or {}}  # the trained run, with this evaluation's remap
+    return run_label(remapped, lineage), "+".join(parts)
+
+
+def evaluation_label(config: dict, trained: dict, lineage: dict | None = None) -> str:
+    """One evaluation's label, the same on the console, in its eval file's name, wandb and the report: the run label
+    of ``config`` (:func:`run_label`), or, where it applied options to the trained run (:func:`applied`),
+    ``rope@self_extend(W32,G32) (log_n_clipped at eval)``."""
+    done = applied(config, trained, lineage)
+    return "{} ({} at eval)".format(*done) if done else run_label(config, lineage)
+
+
 def tricks_label(config: dict) -> str:
     """``+rand<M>``, ``+pose<L_t>`` (``+pose<L_t>n<N>`` for N chunks other than 2), then the attention temperature
     (:func:`temperature_label`): ``alibi+rand1024``, ``rope+floor_log_n-G``; "" for none (older records lack the keys:

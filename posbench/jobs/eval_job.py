@@ -76,9 +76,9 @@ class EvalJob:
 
     @cached_property
     def label(self) -> str:
-        """The label of the model as evaluated (``rope+yarn×16``, ``rope+yarn×4 ft512×200``: posbench/evaluation/results.py):
-        the eval file's name, wandb, report rows."""
-        return results.run_label(to_dict(self.config), self.state.get("lineage"))
+        """The label of the model as evaluated (``rope+yarn×16``, ``rope+yarn×4 ft512×200``, ``rope (floor_log at
+        eval)``: ``posbench.evaluation.results.evaluation_label``): the console, the eval file's name, wandb, report rows."""
+        return results.evaluation_label(to_dict(self.config), self.state["config"], self.state.get("lineage"))
 
 
 def prepare(job: DictConfig) -> EvalJob:

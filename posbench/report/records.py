@@ -13,9 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 from posbench.config.upgrade import upgrade
-from posbench.evaluation.results import READABLE, SUPERSEDED, run_label, temperature_label
+from posbench.evaluation.results import READABLE, SUPERSEDED, applied
 from posbench.report.settings import eval_settings, name_rows, short_labels
-from posbench.schemes import variant_label
 from posbench.training.lineage import config_sha256
 
 
@@ -103,15 +102,8 @@ def _mark_reevaluations(run: list[dict]) -> None:
     one (``("rope+yarn×2", "rope+yarn×2.5")``); without the training record, the label is left as it is."""
     trained = next((r for r in run if Path(r["path"]).name == "results.json"), None)
     for rec in run:
-        if trained is None or not (rec.get("scheme_overrides") or rec.get("model_overrides")):
-            continue
-        base, new = variant_label(trained["config"]["scheme"]), variant_label(rec["config"]["scheme"])
-        parts = [new[len(base) + 1:] if new.startswith(base + "+") else new] if new != base else []
-        temperature = temperature_label(rec["config"])
-        if temperature != temperature_label(trained["config"]):
-            parts.append(temperature[1:] or "attn_scale=none")
-        remapped = {**trained["config"], "eval": rec["config"].get("eval") or {}}  # the trained run, with this remap
-        rec["applied"] = (run_label(remapped, trained.get("lineage")), "+".join(parts))
+        if trained is not None and (rec.get("scheme_overrides") or rec.get("model_overrides")):
+            rec["applied"] = applied(rec["config"], trained["config"], trained.get("lineage"))
 
 
 def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[str]]:
