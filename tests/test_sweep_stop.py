@@ -32,6 +32,16 @@ def sweep(data_cache: Path, folder: Path, cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def training(proc: subprocess.Popen, folder: Path) -> None:
+    """Wait until the sweep's first two jobs have trained 10 steps each (the third waits for a worker)."""
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    metrics = [folder / job / "metrics.jsonl" for job in JOBS[:2]]
+    while not all(m.exists() and len(m.read_text().splitlines()) >= 10 for m in metrics):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out waiting for the jobs to train"
+        time.sleep(0.02)
+
+
 def outcome(folder: Path) -> dict:
     """{job: (parameter digests, perplexities)} of a finished sweep."""
     out = {}
@@ -55,12 +65,7 @@ def uninterrupted(data_cache, tmp_path_factory) -> dict:
 def test_a_stopped_sweep_keeps_its_jobs_progress_and_resumes_bit_identically(how, data_cache, tmp_path, uninterrupted):
     folder = tmp_path / "sweep"
     proc = sweep(data_cache, folder, tmp_path)
-    deadline = time.monotonic() + CLI_TIMEOUT_S
-    metrics = [folder / job / "metrics.jsonl" for job in JOBS[:2]]
-    while not all(m.exists() and len(m.read_text().splitlines()) >= 10 for m in metrics):  # both first jobs training
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "timed out waiting for the jobs to train"
-        time.sleep(0.02)
+    training(proc, folder)
     if how == "SIGINT to the group":
         os.killpg(proc.pid, signal.SIGINT)
     else:
@@ -104,12 +109,7 @@ def test_a_job_whose_process_dies_is_named_with_the_others_and_the_sweep_resumes
     command with ``hydra.sweep.dir``, which resumes the sweep to the uninterrupted one's results."""
     folder = tmp_path / "sweep"
     proc = sweep(data_cache, folder, tmp_path)
-    deadline = time.monotonic() + CLI_TIMEOUT_S
-    metrics = [folder / job / "metrics.jsonl" for job in JOBS[:2]]
-    while not all(m.exists() and len(m.read_text().splitlines()) >= 10 for m in metrics):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "timed out waiting for the jobs to train"
-        time.sleep(0.02)
+    training(proc, folder)
     os.kill(int((folder / JOBS[0] / "posbench.lock").read_text().split()[0]), signal.SIGKILL)
     out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 1, err[-3000:]
