@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CLI_TIMEOUT_S, cli_env, file_states, valid_states
+from helpers import CLI_TIMEOUT_S, cli_env, ctrl_c_as_in_a_terminal, file_states, valid_states
 
 STEPS = 200
 SWEEP = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "debug=fast", "scheme=rope,alibi,nope",
@@ -26,10 +26,11 @@ JOBS = ("0_rope_seed0", "1_alibi_seed0", "2_nope_seed0")
 
 
 def sweep(data_cache: Path, folder: Path, cwd: Path) -> subprocess.Popen:
-    """The sweep into ``folder``, in a process group of its own (as a terminal's job)."""
+    """The sweep into ``folder``, in a process group of its own, with Ctrl-C's default action (as a terminal's job: a
+    test run in the background passes SIGINT on ignored, and posbench keeps an ignored SIGINT ignored)."""
     return subprocess.Popen([sys.executable, "-m", "posbench", "train", *SWEEP, f"data.cache_dir={data_cache}",
                              f"hydra.sweep.dir={folder}"], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def training(proc: subprocess.Popen, folder: Path) -> None:
