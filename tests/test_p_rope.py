@@ -384,8 +384,8 @@ def test_eval_applies_a_scaling_to_a_p_rope_run(p_rope_run, tmp_path, torch_stat
     run = tmp_path / "run"
     shutil.copytree(p_rope_run, run)
     assert eval_here(f"run={run}", *EVAL, "scheme.scaling=yarn", "scheme.factor=4")["results"]
-    rec = json.loads((run / "eval-p_rope+p0.5+yarnx4-nonoverlapping-validation-1.json").read_text())
-    assert rec["label"] == "p_rope+p0.5+yarn×4"
+    rec = json.loads((run / "eval-p_rope+p0.5_yarnx4_at_eval-nonoverlapping-validation-1.json").read_text())
+    assert rec["label"] == "p_rope+p0.5 (yarn×4 at eval)"
     assert rec["scheme_overrides"] == {"scaling": "yarn", "factor": 4.0, "original_length": 32}
     dh = rec["config"]["model"]["d_model"] // rec["config"]["model"]["n_head"]
     naive = NaivePRoPE(p_rope_frequencies(0.5, dh, yarn_frequencies(dh, 4.0, 32)), 0.1 * math.log(4.0) + 1)

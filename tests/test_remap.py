@@ -416,7 +416,7 @@ def test_posbench_eval_remaps_a_trained_run(existing_run, torch_state):
     assert written["label"] == "rope@rerope(w4)"
     hot = eval_here(f"run={existing_run}", "eval.lengths=[32,128]", "eval.max_tokens=256", "eval.remap=rerope",
                     "model.attn_scale=log_n_clipped")
-    assert hot["label"] == "rope+log_n_clipped@rerope(w4)"
+    assert hot["label"] == "rope@rerope(w4) (log_n_clipped at eval)"
     from posbench.report.records import collect
     from posbench.report.settings import label_of
 
