@@ -30,8 +30,9 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("model", (("head",), ("gpt",), ("build",), ("memory",))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
-    # many runs: plots, how the records' settings differ and their rows; which records; their numbers and series; the report
-    ("report", (("plots", "settings"), ("records",), ("compare",), ("render",))),
+    # many runs: what plots write on their axes, how the records' settings differ and their rows; the plots, which
+    # records; their numbers and series; the report
+    ("report", (("axes", "settings"), ("plots", "records"), ("compare",), ("render",))),
     # what a command line composes and runs: inputs and overrides; the train and eval jobs; every job of a command line
     ("jobs", (("inputs", "overrides"), ("train_job", "eval_job"), ("command",))),
     # the command line, and python -m posbench

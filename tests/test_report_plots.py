@@ -7,7 +7,10 @@ open and inspectable (tests/fixtures/report_mix, as in tests/test_report_mix.py)
 * a perplexity axis spans at least a factor 1.2, centred geometrically on what it draws;
 * each panel marks, with its value written at the line, the train length of every run drawn in it;
 * the context plot's labels lie inside the figure;
-* a sliding-window panel of ``loss_vs_position.png`` draws only the positions every window scores.
+* a sliding-window panel of ``loss_vs_position.png`` draws only the positions every window scores;
+* six flat rows within a few percent of each other (issue 50 item 4) each get their label at their line's end, no
+  two overlapping, all inside the figure, and a y axis with at least four values to read them by;
+* a loss-by-position panel says how many tokens its first and last points average (windows × bin width).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 
 from posbench.report import compare, plots, render
 from posbench.report.records import collect
+from posbench.report.settings import eval_settings
 
 MIX = Path(__file__).parent / "fixtures" / "report_mix"
 PLAIN = re.compile(r"\d+(\.\d+)?(e\d+)?")  # 2400, 0.125, 1e6, 2.5e6
@@ -150,3 +154,72 @@ def test_a_sliding_panel_draws_only_the_positions_every_window_scores(mix, tmp_p
     same = next(r["table"] for r in rows if r["label"] == "rope" and r["protocol"] == "nonoverlapping")
     whole = [x for line in data_lines(panels(drawn["loss_vs_position.png"])[same - 1]) for x in line.get_xdata()]
     assert min(whole) < 2 and max(whole) == max(xs)  # nonoverlapping at the same lengths: every position
+
+
+def test_six_flat_rows_are_labelled_at_their_ends_on_an_axis_with_values_to_read(tmp_path, drawn):
+    """Six rows between 116 and 119 (ALiBi-like, flat), alone and beside one rising to 470 as sinusoidal does: before,
+    the six shared one band told apart only by the legend's colours, and the axis beside the riser read 200, 300 and
+    400 only (as docs/ppl_vs_length.png did), none of them near the six."""
+    flat = {f"s{i}": 116.0 + 0.6 * i for i in range(6)}
+    lengths = [128, 256, 512, 1024, 2048]
+    rows = [{"setting": s, "length": n, "ppl": p * (1 + 0.001 * k), "ppl_std": 0.0, "train_length": 128,
+             "origin_length": 128} for s, p in flat.items() for k, n in enumerate(lengths)]
+    rows += [{"setting": "blow", "length": n, "ppl": 155.0 * 1.32 ** k, "ppl_std": 0.0, "train_length": 128,
+              "origin_length": 128} for k, n in enumerate(lengths)]
+    labels = {**{s: f"alibi, slopes={i}" for i, s in enumerate(flat)}, "blow": "sinusoidal"}
+    for title, table in (("flat", [r for r in rows if r["setting"] != "blow"]), ("all", rows)):
+        drawn.clear()
+        plots.draw_ppl(tmp_path, [(title, table)], labels)
+        fig = drawn["ppl_vs_length.png"]
+        fig.canvas.draw()
+        ax = panels(fig)[0]
+        ends = {t.get_text(): t for t in ax.texts if t.get_text() in labels.values()}
+        shown = {labels[s] for s in {r["setting"] for r in table}}
+        assert set(ends) == shown, (title, sorted(ends))
+        for setting in {r["setting"] for r in table}:
+            last = max((r for r in table if r["setting"] == setting), key=lambda r: r["length"])
+            assert ends[labels[setting]].xy == pytest.approx((last["length"], last["ppl"])), setting  # joined to its end
+        from matplotlib.text import Text
+
+        boxes = {text: Text.get_window_extent(t) for text, t in ends.items()}  # the text's, without its arrow
+        assert all(box.x0 >= ax.bbox.x1 for box in boxes.values()), title  # in the margin right of the axes
+        assert all(fig.bbox.x0 <= b.x0 and b.x1 <= fig.bbox.x1 and fig.bbox.y0 <= b.y0 and b.y1 <= fig.bbox.y1
+                   for b in boxes.values()), title
+        names = list(boxes)
+        assert not [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if boxes[a].overlaps(boxes[b])], title
+        ticks = shown_ticks(ax.yaxis)
+        low, high = ax.get_ylim()
+        assert len(ticks) >= 4, (title, low, high, [t.get_text() for t in ticks])
+        assert all(PLAIN.fullmatch(t.get_text()) for t in ticks), [t.get_text() for t in ticks]
+        tick_boxes = [t.get_window_extent() for t in ticks]
+        assert not any(a.overlaps(b) for i, a in enumerate(tick_boxes) for b in tick_boxes[i + 1:])
+        # the largest stretch of the axis without a labelled value is under half of it (log distance)
+        values = sorted([low, *(float(t.get_text()) for t in ticks), high])
+        assert max(math.log(b / a) for a, b in zip(values, values[1:])) < 0.5 * math.log(high / low), values
+
+
+@pytest.mark.parametrize("low, high", [(106.0, 128.0), (100.0, 160.0), (116.0, 474.0), (110.0, 200.0), (12.0, 900.0),
+                                       (80.0, 3.0e4), (1.5, 2.0), (0.9, 1.2e6)])
+def test_a_perplexity_axis_gets_four_to_eight_round_values(low, high):
+    from posbench.report.axes import round_values
+
+    values = round_values(low, high)
+    assert 4 <= len(values) <= 8, values
+    assert all(low <= v <= high for v in values) and values == sorted(set(values)), values
+    mantissas = [v / 10 ** math.floor(math.log10(v)) for v in values]
+    assert all(abs(100 * m - round(100 * m)) < 1e-6 for m in mantissas), values  # at most 3 significant digits
+    stops = [low, *values, high]
+    assert max(math.log(b / a) for a, b in zip(stops, stops[1:])) < 0.5 * math.log(high / low), values
+
+
+def test_a_loss_panel_says_how_many_tokens_its_points_average(mix, tmp_path, drawn):
+    records, rows = mix
+    report(records, rows, tmp_path, drawn)
+    ax = panels(drawn["loss_vs_position.png"])[0]
+    first = next(r for r in records if eval_settings(r) == next(r["eval_settings"] for r in rows
+                                                                          if r["table"] == 1))
+    longest = max(first["results"], key=lambda r: r["length"])
+    edges, windows = longest["nll_by_position"]["position"], longest["windows"]
+    widths = [b - a for a, b in zip(edges, [*edges[1:], longest["length"]])]
+    label = ax.get_xlabel().replace("\n", " ")
+    assert f"averages {windows * min(widths):,} to {windows * max(widths):,} tokens" in label, label

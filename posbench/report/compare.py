@@ -116,9 +116,11 @@ def finetune_parents(rows: list[dict]) -> dict[str, float]:
     return {r["label"]: r["ppl"] for r in plotted if not r.get("method") and r["setting"] in parents}
 
 
-def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[tuple[str, int], tuple[list, list]]:
-    """{(setting, longest length): (bin centres, NLL)} of one table's evaluation setting: each setting's NLL by token
-    position (nats/token, 1-based bin centres) at its longest evaluation length T, mean over seeds.
+def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[tuple[str, int], tuple[list, list, list]]:
+    """{(setting, longest length): (bin centres, NLL, tokens)} of one table's evaluation setting: each setting's NLL by
+    token position (nats/token, 1-based bin centres) at its longest evaluation length T, mean over seeds, and how many
+    tokens each bin averages per seed (windows × the bin's width: at T every window is whole; [] for a record without
+    its window count).
 
     Under the sliding protocol (stride S) only the first window scores positions before T − S (0-based), so only the
     bins reaching T − S are kept, each centred on its part from T − S: positions every window scores. A bin that
@@ -129,13 +131,16 @@ def position_curves(records: list[dict], rows: list[dict], table: int) -> dict[t
     for rec in records:
         if eval_settings(rec) == group:
             longest = max(rec["results"], key=lambda r: r["length"])
-            runs[(rec["order"], rec["setting"], longest["length"])].append(longest["nll_by_position"])
+            runs[(rec["order"], rec["setting"], longest["length"])].append((longest["nll_by_position"],
+                                                                            longest.get("windows")))
     curves = {}
-    for (_, setting, length), by_position in sorted(runs.items()):
+    for (_, setting, length), seeds in sorted(runs.items()):
+        by_position, windows = [p for p, _ in seeds], seeds[0][1]
         edges, first = by_position[0]["position"], length - stride if protocol == "sliding" else 0
         bins = [(i, max(a, first), b) for i, (a, b) in enumerate(zip(edges, [*edges[1:], length])) if b > first]
         curves[setting, length] = ([(a + b + 1) / 2 for _, a, b in bins],  # bin centres, 1-based positions
-                                   [statistics.fmean(r["nll"][i] for r in by_position) for i, _, _ in bins])
+                                   [statistics.fmean(r["nll"][i] for r in by_position) for i, _, _ in bins],
+                                   [windows * (b - a) for _, a, b in bins] if windows else [])
     return curves
 
 

@@ -2,9 +2,10 @@
 posbench/report/render.py calls the functions here):
 
 * ``ppl_vs_length.png`` — perplexity exp(mean NLL over seeds) against evaluation length, log2 x, ± std bands, a
-  panel per evaluation setting (the report's tables);
+  panel per evaluation setting (the report's tables), each line's label at its end, 4 to 8 round values on the y axis;
 * ``loss_vs_position.png`` — NLL by token position at the longest evaluation length, mean over seeds, a panel per
-  evaluation setting; under the sliding protocol only the positions every window scores (its x label says which);
+  evaluation setting, each line's label at its end; under the sliding protocol only the positions every window scores
+  (its x label says which, and how many tokens a point averages: the first bins fewest, so they move most);
 * ``ppl_vs_finetune.png`` (:func:`draw_finetune`, when fine-tuned runs are reported) — perplexity at the longest
   evaluation length against fine-tuning tokens, one line per method;
 * ``passkey_vs_distance.png`` and ``passkey_heatmap.png`` (:func:`draw_passkey`, when runs were probed) — retrieval
@@ -17,22 +18,22 @@ posbench/report/render.py calls the functions here):
 Every plot names its rows by their short labels (posbench/report/compare.py ``labels``: ``rope, base=500.0``; report.md's
 legend tables give their settings), gives each row one colour in every plot, and puts its legend below the axes, never over
 them. Every log axis prints plain numbers (``2400``, ``0.5``; ``2.5e6`` from a million on), its minor ticks labelled only
-where they do not crowd. A perplexity axis spans at least a factor :data:`MIN_SPAN`, so a small change looks small. The
-first two mark in each panel the train lengths of its runs (a fine-tuned run's own and its line's first L), each value
-written at its line. matplotlib is imported when a plot is drawn, so the rest of posbench starts without it.
+where they do not crowd (posbench/report/axes.py). A perplexity axis spans at least a factor 1.2 (axes.py's
+``MIN_SPAN``), so a small change looks small. The first two mark in each panel the train lengths of its runs (a
+fine-tuned run's own and its line's first L), each value written at its line. matplotlib is imported when a plot is
+drawn, so the rest of posbench starts without it.
 """
 
 from __future__ import annotations
 
-import math
 import textwrap
 from pathlib import Path
 
+from posbench.report.axes import FONT, LABEL_WIDTH, label_ends, min_span, plain_ticks, value_ticks
+
 WIDTH = 7.2  # figure width, inches
 PANEL = 2.9  # height of one panel, inches
-FONT = 8  # legend and tick-label size, points
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*", "h")  # hollow, one per row (cycled)
-MIN_SPAN = 1.2  # the least ratio of a perplexity axis's upper to lower limit
 
 
 def _pyplot():
@@ -72,51 +73,20 @@ def _figure(plt, panels: int, entries: int = 0, longest: int = 1, columns: int =
     return fig, list(axes.flat)[:panels]
 
 
-def _save(plt, fig, path: Path, handles: list) -> Path:
-    """``handles`` as one legend below the axes, plain tick labels (:func:`_plain_ticks`) at the figure's font size,
-    ``path`` at 110 dpi; the figure closed."""
-    _plain_ticks(fig)
+def _save(plt, fig, path: Path, handles: list, ends: dict | None = None) -> Path:
+    """``handles`` as one legend below the axes, plain tick labels (:func:`posbench.report.axes.plain_ticks`) at the
+    figure's font size, each line's label at its end (``ends``: :func:`posbench.report.axes.label_ends`'s), ``path``
+    at 110 dpi; the figure closed."""
+    plain_ticks(fig)
     for ax in fig.axes:
         ax.tick_params(which="both", labelsize=FONT)
     columns, _ = _legend_rows(len(handles), max((len(h.get_label()) for h in handles), default=1))
     fig.legend(handles=handles, loc="outside lower center", ncol=columns, fontsize=FONT)
+    if ends:
+        label_ends(fig, ends)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _plain(x: float) -> str:
-    """A tick value as a plain number: ``2400``, ``0.125``; ``2.5e6`` from a million on."""
-    if x < 1e6:
-        return f"{x:.6g}"
-    mantissa, exponent = f"{x:.3g}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def _plain_ticks(fig) -> None:
-    """Every log axis of ``fig`` labelled in plain numbers (:func:`_plain`), major and minor ticks; which minor ticks
-    get a label is matplotlib's LogFormatter's choice, so the labels do not crowd: all of them across less than 0.4 of a
-    decade, those at 2, 3, 4 and 6 (× a power of the base) while at most one power of the base is in view, none once
-    two are."""
-    from matplotlib.ticker import LogFormatter  # (matplotlib: imported only where a plot is drawn)
-
-    class Plain(LogFormatter):
-        def __call__(self, x, pos=None):
-            return _plain(x) if super().__call__(x, pos) else ""
-
-    for axis in (a for ax in fig.axes for a in (ax.xaxis, ax.yaxis) if a.get_scale() == "log"):
-        axis.set_major_formatter(Plain(axis.get_transform().base))
-        axis.set_minor_formatter(Plain(axis.get_transform().base))
-
-
-def _min_span(ax, values: list[float]) -> None:
-    """Widen the perplexity axis of ``ax`` when ``values`` (what it draws, all > 0) span less than a factor
-    :data:`MIN_SPAN`: its limits become √(min·max) divided and multiplied by √MIN_SPAN, a factor MIN_SPAN apart and
-    centred geometrically on the values, so a change of 0.4% is a small step rather than the panel's height."""
-    low, high = min(values), max(values)
-    if high < MIN_SPAN * low:
-        middle, half = math.sqrt(low * high), math.sqrt(MIN_SPAN)
-        ax.set_ylim(middle / half, middle * half)
 
 
 def _handles(styles: list[dict], marked: bool = False) -> list:
@@ -129,7 +99,8 @@ def _handles(styles: list[dict], marked: bool = False) -> list:
 
 
 def _title(text: str, width: int = 95) -> str:
-    return "\n".join(textwrap.wrap(text, width))
+    """``text`` wrapped at ``width`` characters, each of its lines on its own."""
+    return "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
 
 
 def draw(out: Path, tables: list[tuple[str, list[dict], dict]], labels: dict[str, str]) -> dict[str, Path]:
@@ -139,62 +110,97 @@ def draw(out: Path, tables: list[tuple[str, list[dict], dict]], labels: dict[str
     Args:
         tables: one (title, rows, curves) per evaluation setting, in the report's table order: ``title`` the setting in
             words (``1. nonoverlapping, validation split, …``); ``rows`` its rows (``posbench.report.compare.fold``'s), each
-            with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band (the perplexity
-            axis spans at least a factor :data:`MIN_SPAN`: :func:`_min_span`), ``train_length`` and ``origin_length``
-            (tokens): a vertical line at each, its value written at it, and ``protocol``, ``stride`` and ``lengths``;
-            ``curves`` {(setting, length): (1-based positions, NLL in nats/token)}: a line each
-            (``posbench.report.compare.position_curves``: under the sliding protocol, the positions every window scores).
+            with ``setting``, ``length``, ``ppl`` and ``ppl_std``: a line per setting with its ± std band (the
+            perplexity axis spans at least a factor 1.2: posbench/report/axes.py's ``min_span``), ``train_length``
+            and ``origin_length`` (tokens): a vertical line at each, its value written at it, and ``protocol``,
+            ``stride`` and ``lengths``;
+            ``curves`` {(setting, length): (1-based positions, NLL in nats/token, tokens per point)}: a line each
+            (``posbench.report.compare.position_curves``: under the sliding protocol, the positions every window
+            scores), the x label saying how many tokens a point averages (:func:`_positions`).
         labels: {setting: short label} of every row, in the order that gives each its colour.
+
+    Each line's label is written at its end (:func:`posbench.report.axes.label_ends`), and a perplexity axis gets 4 to
+    8 round values as ticks (:func:`posbench.report.axes.value_ticks`).
     """
+    return {"ppl_vs_length": draw_ppl(out, [(title, rows) for title, rows, _ in tables], labels),
+            "loss_vs_position": draw_loss(out, tables, labels)}
+
+
+def draw_ppl(out: Path, tables: list[tuple[str, list[dict]]], labels: dict[str, str],
+             name: str = "ppl_vs_length.png") -> Path:
+    """Write ``name`` (``ppl_vs_length.png``) into ``out``: :func:`draw`'s perplexity plot of ``tables`` ((title, rows)
+    per evaluation setting, as :func:`draw`'s without curves); return its path."""
     plt = _pyplot()
     style = _styles(labels)
-    shown = [s for s in labels if any(r["setting"] == s for _, rows, _ in tables for r in rows)]
+    shown = [s for s in labels if any(r["setting"] == s for _, rows in tables for r in rows)]
     longest = max(len(labels[s]) for s in shown)
     fig, axes = _figure(plt, len(tables), len(shown) + 1, longest)
-    for ax, (title, rows, _) in zip(axes, tables):
+    ends = {}
+    for ax, (title, rows) in zip(axes, tables):
+        ends[ax] = []
         for setting in dict.fromkeys(r["setting"] for r in rows):
             xs, ys, sd = zip(*[(r["length"], r["ppl"], r["ppl_std"]) for r in rows if r["setting"] == setting])
             ax.plot(xs, ys, **style[setting])
             ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
                             color=style[setting]["color"])
+            ends[ax].append((labels[setting], xs[-1], ys[-1], style[setting]["color"]))
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
-        _min_span(ax, [v for r in rows for v in (r["ppl"] - r["ppl_std"], r["ppl"], r["ppl"] + r["ppl_std"]) if v > 0])
-        _panel(ax, rows, title, "evaluation length (tokens)", "perplexity")
+        min_span(ax, [v for r in rows for v in (r["ppl"] - r["ppl_std"], r["ppl"], r["ppl"] + r["ppl_std"]) if v > 0])
+        value_ticks(ax)
+        _panel(ax, rows, title, "evaluation length (tokens)", "perplexity", longest)
     fig.suptitle("Perplexity (exp mean NLL over seeds) vs evaluation length", fontsize=10)
-    _save(plt, fig, out / "ppl_vs_length.png", _handles([style[s] for s in shown], marked=True))
+    return _save(plt, fig, out / name, _handles([style[s] for s in shown], marked=True), ends)
 
+
+def draw_loss(out: Path, tables: list[tuple[str, list[dict], dict]], labels: dict[str, str]) -> Path:
+    """Write ``loss_vs_position.png`` into ``out``: :func:`draw`'s loss-by-position plot; return its path."""
+    plt = _pyplot()
+    style = _styles(labels)
+    shown = [s for s in labels if any(r["setting"] == s for _, rows, _ in tables for r in rows)]
+    longest = max(len(labels[s]) for s in shown)
     fig, axes = _figure(plt, len(tables), len(shown) + 1, longest)
+    ends = {}
     for ax, (title, rows, curves) in zip(axes, tables):
-        for (setting, length), (xs, ys) in curves.items():
+        ends[ax] = []
+        for (setting, length), (xs, ys, _) in curves.items():
             ax.plot(xs, ys, markevery=max(1, len(xs) // 8), **{**style[setting], "label": f"{labels[setting]} ({length})"})
+            ends[ax].append((labels[setting], xs[-1], ys[-1], style[setting]["color"]))
         ax.set_xscale("log")
-        _panel(ax, rows, title, _positions(rows[0]), "NLL (nats/token)")
+        _panel(ax, rows, title, _positions(rows[0], [n for _, _, tokens in curves.values() for n in tokens]),
+               "NLL (nats/token)", longest)
     fig.suptitle("Loss by position at each setting's longest evaluation length (mean over seeds)", fontsize=10)
-    _save(plt, fig, out / "loss_vs_position.png", _handles([style[s] for s in shown], marked=True))
-    return {"ppl_vs_length": out / "ppl_vs_length.png", "loss_vs_position": out / "loss_vs_position.png"}
+    return _save(plt, fig, out / "loss_vs_position.png", _handles([style[s] for s in shown], marked=True), ends)
 
 
-def _positions(row: dict) -> str:
-    """The x label of a loss-by-position panel of ``row``'s table: which positions it draws."""
-    if row["protocol"] != "sliding":
-        return "token position in the window (1-based)"
-    length, stride = max(row["lengths"]), row["stride"]
-    return (f"token position in the window (1-based), only those every window scores: ≥ T − S + 1 = "
-            f"{length - stride + 1} (T = {length}, stride S = {stride})")
+def _positions(row: dict, counts: list[int]) -> str:
+    """The x label of a loss-by-position panel of ``row``'s table: which positions it draws, and how many tokens a
+    point averages (``counts``, per seed): the first bins are the narrowest, so they move most from bin to bin, and
+    every row averages the same tokens there, so the rows move together."""
+    which = "token position in the window (1-based)"
+    if row["protocol"] == "sliding":
+        length, stride = max(row["lengths"]), row["stride"]
+        which += (f", only those every window scores: ≥ T − S + 1 = {length - stride + 1} (T = {length}, "
+                  f"stride S = {stride})")
+    if not counts:
+        return which
+    return (f"{which}\na point averages {min(counts):,} to {max(counts):,} tokens (the first bins fewest), the same "
+            "in every row")
 
 
-def _panel(ax, rows: list[dict], title: str, xlabel: str, ylabel: str) -> None:
-    """Label a panel and mark the train lengths of its ``rows`` (``train_length``, ``origin_length``, tokens): a dashed
+def _panel(ax, rows: list[dict], title: str, xlabel: str, ylabel: str, margin: int = 0) -> None:
+    """Label a panel (its title and x label wrapped to leave room for ``margin`` characters of labels at the lines'
+    ends) and mark the train lengths of its ``rows`` (``train_length``, ``origin_length``, tokens): a dashed
     grey vertical line at each, ``L = 512`` written along it on a pale box (readable over the lines)."""
     for length in sorted({r[key] for r in rows for key in ("train_length", "origin_length")}):
         ax.axvline(length, color="grey", linestyle="--")
         ax.annotate(f"L = {length}", (length, 1), xycoords=ax.get_xaxis_transform(), xytext=(2, -3),
                     textcoords="offset points", rotation=90, ha="left", va="top", fontsize=FONT - 1, color="0.3",
                     bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
-    ax.set_xlabel(xlabel, fontsize=FONT)
+    width = max(40, 95 - int(0.9 * min(margin, LABEL_WIDTH)))  # characters: an end label's font is 7/9 of the title's
+    ax.set_xlabel(_title(xlabel, width + 10), fontsize=FONT)
     ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.set_title(_title(title), fontsize=FONT + 1)
+    ax.set_title(_title(title, width), fontsize=FONT + 1)
 
 
 def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict[str, float], length: int,
@@ -202,7 +208,7 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict
     """Write ``ppl_vs_finetune.png``: for each method (``rope+yarn×4 ft512``), perplexity at evaluation length
     ``length`` against its fine-tuning tokens (0: the method applied to the parent's weights), and each parent's
     perplexity there (``parents``: {label: perplexity}) as a dotted horizontal line, the axis spanning at least a
-    factor :data:`MIN_SPAN`; return its path."""
+    factor 1.2 (posbench/report/axes.py's ``MIN_SPAN``); return its path."""
     plt = _pyplot()
     import matplotlib.ticker  # (plain numbers on the axis)
 
@@ -216,7 +222,7 @@ def draw_finetune(out: Path, series: dict[str, tuple[list, list]], parents: dict
                        "label": names[len(series) + i]})
         ax.axhline(ppl, **styles[-1])
     ax.set_xlim(left=-0.04 * max(max(xs, default=0) for xs, _ in series.values()) or None)  # from 0 fine-tuning tokens
-    _min_span(ax, [*(y for _, ys in series.values() for y in ys), *parents.values()])
+    min_span(ax, [*(y for _, ys in series.values() for y in ys), *parents.values()])
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set(xlabel="fine-tuning tokens", ylabel=f"perplexity at length {length}")
