@@ -24,10 +24,10 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("data", (("corpora", "needles"), ("cache", "batches"))),
     # significance tests, perplexity protocols; the probes and the passkey cells; one run's record
     ("evaluation", (("stats", "perplexity"), ("passkey", "context", "retrieval"), ("results",))),
-    # the value checks, conf/'s resolvers; the evaluation's and remap's checks; the schema and finalize; older records
-    ("config", (("checks", "resolvers"), ("eval_checks",), ("schema",), ("upgrade",))),
-    # the tied head and loss in one op; the decoder; spec → model; the memory estimate
-    ("model", (("head",), ("gpt",), ("build",), ("memory",))),
+    # the value checks, conf/'s resolvers; the evaluation's, remap's and model's checks; the schema and finalize; older records
+    ("config", (("checks", "resolvers"), ("eval_checks", "model_checks"), ("schema",), ("upgrade",))),
+    # the tied head and loss in one op, the attention layer and the blocks; the decoder; spec → model; the memory estimate
+    ("model", (("head", "blocks"), ("gpt",), ("build",), ("memory",))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
     # many runs: what plots write on their axes, how the records' settings differ and their rows; the plots, which

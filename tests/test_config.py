@@ -146,6 +146,11 @@ def test_derived_defaults(hydra_ctx):
     assert cfg.scheme.max_positions == 1024  # the longest evaluation length
 
 
+def test_a_head_width_given_frees_the_heads_from_dividing_the_width(hydra_ctx):
+    cfg = finalize(compose("train", overrides=["model.n_head=3", "model.head_dim=20", "model.block=llama"]))
+    assert (cfg.model.n_head, cfg.model.head_dim, cfg.model.d_model) == (3, 20, 128)
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["train.seq_len=0"], ["train.seq_len"]),
     (["train.seq_len=-3"], ["train.seq_len"]),
@@ -169,6 +174,11 @@ def test_derived_defaults(hydra_ctx):
     (["model.attn_dropout=1.0"], ["model.attn_dropout=1.0", "0 <= p < 1"]),
     (["model.attn_dropout=-0.1"], ["model.attn_dropout=-0.1", "0 <= p < 1"]),
     (["model.attn_dropout=nan"], ["model.attn_dropout=nan", "0 <= p < 1"]),
+    (["model.n_kv_head=3"], ["model.n_kv_head=3", "model.n_head=4"]),
+    (["model.n_kv_head=0"], ["model.n_kv_head"]),
+    (["model.head_dim=7"], ["model.head_dim=7", "even"]),
+    (["model.norm_eps=0"], ["model.norm_eps=0.0", "> 0"]),
+    (["model.block=mamba"], ["model.block", "gpt", "llama"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and "=" in v[0] else None)
 def test_finalize_rejects(overrides, words, hydra_ctx):
     cfg = compose("train", overrides=overrides)
@@ -225,7 +235,8 @@ def test_every_closed_choice_is_declared_on_its_field():
     from posbench.attention.remap import METHODS
     from posbench.attention.temperature import ATTN_SCALES, SCALE_LAYERS
     from posbench.attention.windows import WINDOW_KINDS
-    from posbench.config.schema import INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS, PosbenchConfig
+    from posbench.config.schema import (BLOCKS, INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS,
+                                        PosbenchConfig)
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):
@@ -238,6 +249,7 @@ def test_every_closed_choice_is_declared_on_its_field():
         "model.attn_scale": ATTN_SCALES, "train.schedule": SCHEDULES, "eval.protocol": PROTOCOLS, "eval.split": SPLITS,
         "eval.probes": PROBES, "resume": RESUMES, "init_rows": INIT_ROWS, "train.precision": PRECISIONS,
         "model.window_kind": WINDOW_KINDS, "model.qk_norm": QK_NORMS, "model.qk_norm_layers": QK_NORM_LAYERS,
+        "model.block": BLOCKS,
         "model.scale_layers": SCALE_LAYERS, "eval.remap": METHODS}
 
 

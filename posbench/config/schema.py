@@ -26,7 +26,7 @@ from posbench.attention import remap as remapping
 from posbench.attention.dispatch import QK_NORM_LAYERS, QK_NORMS
 from posbench.attention.temperature import ATTN_SCALES, BETA, SCALE_LAYERS
 from posbench.attention.windows import WINDOW_KINDS
-from posbench.config import checks, eval_checks, resolvers  # noqa: F401  (resolvers: conf/'s ${posbench_*:})
+from posbench.config import checks, eval_checks, model_checks, resolvers  # noqa: F401  (resolvers: conf/'s ${posbench_*:})
 from posbench.config.checks import ConfigError, check_choices, check_keys, choices, longest_length
 from posbench.evaluation import context, passkey
 from posbench.schemes import SCHEMES
@@ -41,6 +41,7 @@ PRECISIONS = ("auto", "fp32", "bf16")  # train.precision: posbench.runtime.devic
 PROBES = ("passkey", "context")  # eval.probes
 RESUMES = ("auto", "never")  # resume: auto continues from the run folder's newest valid checkpoint; never starts over
 DEFAULT_SCHEME = "rope"  # a recorded config without scheme.name (train.yaml's default, the old schema's too)
+BLOCKS = ("gpt", "llama")  # model.block: posbench/model/blocks.py
 
 
 @dataclass
@@ -66,6 +67,13 @@ class ModelConfig:
     qk_norm_layers: str = choices(*QK_NORM_LAYERS)  # all | local (the L layers: Llama 4's RoPE layers)
     qk_norm_weight: bool = True  # a learned gain per head dimension (Gemma 3, EXAONE 4); false: none (Llama 4)
     attn_sink: bool = False  # a learned logit per head and layer in every softmax's denominator (GPT-OSS)
+    # the block (model/blocks.py): gpt (GPT-2's pre-LayerNorm, GELU MLP) | llama (pre-RMSNorm, SwiGLU, no biases)
+    block: str = choices(*BLOCKS)
+    n_kv_head: Optional[int] = None  # key/value heads, grouped-query attention; None = n_head
+    head_dim: Optional[int] = None  # a head's width; None = d_model / n_head
+    tie_head: bool = True  # the head shares the token embeddings' weights
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen 2)
+    norm_eps: float = 1e-5  # the blocks' LayerNorm or RMSNorm epsilon
 
 
 @dataclass
@@ -246,7 +254,8 @@ def __getattr__(attr: str):  # pickle looks a made schema up by name, in a fresh
 def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None = None) -> DictConfig:
     """Fill derived defaults in place and check every value; return ``cfg``. Run once per job, by the job's
     ``prepare`` (posbench/jobs/train_job.py, posbench/jobs/eval_job.py), before any data is read or any step is trained.
-    The checks are posbench/config/checks.py's, one per section, after the keys and the closed choices.
+    The checks are posbench/config/checks.py's and model_checks.py's, one per section, after the keys and the closed
+    choices.
 
     Derived: ``eval.lengths`` (None → L·2^k for k = 0…4), when ``training`` ``train.compile`` (None → whether the
     run's device is CUDA), and the scheme's options: ``cfg.scheme`` is read into the scheme's ``Config``, whose
@@ -270,7 +279,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
             learned table smaller than the longest length), ``model.dropout`` or ``model.attn_dropout`` outside
             [0, 1), a ``model.scale_length`` < 2 or given without ``log_n``, ``train.random_positions`` or
             ``train.pose`` below L or for a scheme that reads no positions, both of them, ``train.pose_chunks``
-            outside 2…L or without ``train.pose``, hybrid layers that do not fit (``checks.layers``: a letter
+            outside 2…L or without ``train.pose``, hybrid layers that do not fit (``model_checks.layers``: a letter
             other than L and G, a window without an L layer, above L or without a size, a global scheme without a G
             or an L layer, of an unknown name or option, or embedding positions, options of ``model.qk_norm`` without
             it, a pattern whose L and G layers would not differ), a stride outside 1…min(lengths), ``train.steps=0`` without
@@ -287,10 +296,10 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     checks.data_values(cfg.data)
     if training:
         checks.training_data_inert(cfg.data, DataConfig())
-    checks.model_values(cfg.model, trained_length or t.seq_len)
+    model_checks.model_values(cfg.model, trained_length or t.seq_len)
     eval_checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
     eval_checks.remap_values(cfg.eval, cfg.model, s, t.seq_len, training)
-    checks.training_positions(t, [s.name, *checks.global_name(cfg.model)], cfg.eval)
+    checks.training_positions(t, [s.name, *model_checks.global_name(cfg.model)], cfg.eval)
     longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen
     try:
         resolved = SCHEMES[s.name].make_config(**{k: v for k, v in to_dict(s).items() if k != "name"})
@@ -300,7 +309,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     with open_dict(s):
         for key, value in dataclasses.asdict(resolved).items():
             s[key] = value
-    checks.layers(cfg.model, s.name, trained_length or t.seq_len, longest)
+    model_checks.layers(cfg.model, s.name, trained_length or t.seq_len, longest)
     return cfg
 
 

@@ -94,7 +94,9 @@ def build_model(spec: dict, overrides: dict | None = None) -> GPT:
                scale_beta=m["scale_beta"], scale_layers=m["scale_layers"],
                attn_dropout=m["attn_dropout"], global_scheme=glob, layer_pattern=m["layer_pattern"], window=m["window"],
                window_kind=m["window_kind"], qk_norm=m["qk_norm"], qk_norm_layers=m["qk_norm_layers"],
-               qk_norm_weight=m["qk_norm_weight"], attn_sink=m["attn_sink"])
+               qk_norm_weight=m["qk_norm_weight"], attn_sink=m["attn_sink"], block=m["block"],
+               n_kv_head=m["n_kv_head"], head_dim=m["head_dim"], tie_head=m["tie_head"], qkv_bias=m["qkv_bias"],
+               norm_eps=m["norm_eps"])
 
 
 def _build_scheme(section: dict | None, m: dict, layers: int, what: str = "scheme"):
@@ -108,8 +110,8 @@ def _build_scheme(section: dict | None, m: dict, layers: int, what: str = "schem
         raise ValueError(f"unknown scheme {name!r}{where}; choose one of: {', '.join(sorted(SCHEMES))}")
     config = SCHEMES[name].make_config(**options)
     if getattr(config, "per_layer", False):  # one instance per attention layer, drawn in turn
-        return [SCHEMES[name](m["d_model"], m["n_head"], config) for _ in range(layers)]
-    return SCHEMES[name](m["d_model"], m["n_head"], config)
+        return [SCHEMES[name](m["d_model"], m["n_head"], config, m["head_dim"]) for _ in range(layers)]
+    return SCHEMES[name](m["d_model"], m["n_head"], config, m["head_dim"])
 
 
 def model_from(state: dict, device="cpu", overrides: dict | None = None) -> GPT:

@@ -1,4 +1,6 @@
-"""A decoder-only GPT (pre-LayerNorm, GELU MLP, tied embeddings) that knows no positional scheme by name.
+"""A decoder-only causal LM that knows no positional scheme by name, built of GPT-2's blocks (pre-LayerNorm, GELU MLP:
+the default) or Llama's (pre-RMSNorm, SwiGLU; posbench/model/blocks.py), with grouped-query attention and a tied or
+untied head.
 
 One recipe for every scheme (docs/design.md §2), so that a comparison differs in positions only: token
 embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
@@ -35,65 +37,12 @@ from torch import nn
 
 from posbench.attention import dispatch, temperature
 from posbench.attention.windows import Window, expand_pattern
+from posbench.config.schema import BLOCKS
 from posbench.model import head
+from posbench.model.blocks import Block, LlamaBlock, final_norm
 from posbench.schemes.base import PositionalScheme
 
-SSMAX_INIT = 0.43  # s of SSMax at initialisation: the default of the unofficial scalable-softmax package (PyPI)
-QK_NORM_EPS = 1e-6  # QK-norm's RMSNorm epsilon (Gemma 3's, Qwen 3's; Llama 4 uses 1e-5)
 SINK_STD = 0.02  # attention sinks start N(0, 0.02²): Hugging Face's GPT-OSS initialisation (initializer_range)
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention whose positions come from the context of the forward pass
-    (posbench/attention/dispatch.py: this layer's scheme, kernel, window, rotation tables, bias; dropout included), with the
-    length-dependent scaling of the queries ``attn_scale`` (posbench/attention/temperature.py; see :class:`GPT`), optionally
-    QK-norm (``qk_norm``: RMSNorm of each head's query and key before any rotation, with or without a learned gain per
-    head dimension, ``qk_weight``) and a learned sink logit per head (``sink``)."""
-
-    def __init__(self, d_model: int, n_head: int, attn_scale: str = "none", qk_norm: bool = False,
-                 qk_weight: bool = True, sink: bool = False):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
-        if attn_scale == "ssmax":  # Nakanishi 2025: s learned per head (and per layer)
-            self.ssmax = nn.Parameter(torch.full((n_head,), SSMAX_INIT))  # (H,)
-        self.q_norm = self.k_norm = None
-        if qk_norm:  # (Dh,) gains, initialised to 1, where qk_weight
-            self.q_norm, self.k_norm = (nn.RMSNorm(d_model // n_head, eps=QK_NORM_EPS, elementwise_affine=qk_weight)
-                                        for _ in range(2))
-        self.sink = nn.Parameter(torch.zeros(n_head)) if sink else None  # (H,) (drawn by GPT's initialisation)
-
-    def forward(self, x: torch.Tensor, ctx: dispatch.Context, factor: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, D); factor: None (no scaling), or the (T, 1) factor on each query (``temperature.factor``: for
-        ``ssmax`` ln n, which the layer multiplies by its learned s_h) → (B, T, D)."""
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh)
-        if self.q_norm is not None:  # x / rms(x) per head, before the rotation (which keeps each head's norm)
-            q, k = self.q_norm(q), self.k_norm(k)
-        if ctx.remap is None:  # (a remap turns q and k per region, in its kernel)
-            q, k = ctx.scheme.rotate(q, k, ctx.rotation)
-        if factor is not None:  # logits × factor, applied to the queries so that every kernel runs unchanged
-            if hasattr(self, "ssmax"):
-                factor = self.ssmax[:, None, None] * factor.to(self.ssmax.dtype)  # (H, T, 1)
-            q = q * factor.to(q.dtype)  # factor: (H, T, 1) or (T, 1)
-        y = dispatch.attend(q, k, v, ctx) if self.sink is None else dispatch.attend(q, k, v, ctx, self.sink)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, d_model, n_head, d_ff, dropout, attn_scale="none", qk_norm=False, qk_weight=True, sink=False):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head, attn_scale, qk_norm, qk_weight, sink)
-        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x, ctx, factor=None):
-        x = x + self.drop(self.attn(self.ln1(x), ctx, factor))
-        return x + self.mlp(self.ln2(x))  # (B, T, D)
 
 
 class GPT(nn.Module):
@@ -102,6 +51,13 @@ class GPT(nn.Module):
     Args:
         vocab_size: V, tokens in the vocabulary.
         n_layer, n_head, d_model, d_ff: depth, heads H, width D, MLP hidden width.
+        block: ``gpt`` (GPT-2's pre-LayerNorm block, the default) or ``llama`` (pre-RMSNorm, SwiGLU, no biases;
+            posbench/model/blocks.py), with the final norm of its kind.
+        n_kv_head: key/value heads (grouped-query attention; each serves n_head / n_kv_head query heads); None: H.
+        head_dim: the width Dh of a head; None: D / H.
+        tie_head: the head shares the token embeddings' weights (True: GPT-2's and posbench's recipe).
+        qkv_bias: the query, key and value projections have biases (Qwen 2's).
+        norm_eps: the epsilon of every LayerNorm or RMSNorm of the blocks (not QK-norm's).
         dropout: dropout probability on the embeddings and the residual branches (0 disables it).
         scheme: the positional scheme of the local (L) layers, and of the global (G) ones when ``global_scheme`` is
             None: one instance shared by them all, or a list of instances of one class, one per layer that uses it,
@@ -140,7 +96,8 @@ class GPT(nn.Module):
             disables it). Any attention dropout moves a bias scheme off FlexAttention on CUDA, which has none
             (``choice.choose_kernel``).
     Raises:
-        ValueError: ``n_head`` does not divide ``d_model``; a list of schemes not as long as the layers that use it,
+        ValueError: an unknown ``block``; ``n_head`` does not divide ``d_model`` and no ``head_dim`` is given;
+            ``n_kv_head`` does not divide ``n_head``; a list of schemes not as long as the layers that use it,
             of several classes, or of a class that embeds positions (it would add them once, before the first layer);
             a scheme that embeds positions beside a ``global_scheme``; a bad ``layer_pattern``; a window without an L
             layer, of size below 1 or of an unknown kind, or beside an ``attn_scale`` other than ``none``; a
@@ -149,9 +106,10 @@ class GPT(nn.Module):
             ``scale_layers=global`` but for a zero-shot temperature on a pattern with L and G layers; ``attn_dropout``
             outside [0, 1).
 
-    Initialisation follows GPT-2 (Radford et al. 2019): N(0, 0.02), residual projections scaled
-    by 1/sqrt(2·n_layer), biases zero. The scheme's own parameters keep the initialisation it gave them; attention
-    sinks are drawn last, so every other weight is the one a model without them draws.
+    Initialisation follows GPT-2 (Radford et al. 2019) in either block: N(0, 0.02), residual projections (the
+    attention's ``proj``, the MLP's last map) scaled by 1/sqrt(2·n_layer), biases zero, norm gains one. The scheme's
+    own parameters keep the initialisation it gave them; attention sinks are drawn last, so every other weight is the
+    one a model without them draws.
     """
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
@@ -160,9 +118,13 @@ class GPT(nn.Module):
                  scale_layers: str = "all", attn_dropout: float = 0.0,
                  global_scheme: PositionalScheme | list[PositionalScheme] | None = None, layer_pattern: str = "G",
                  window: int | None = None, window_kind: str = "sliding", qk_norm: str = "none",
-                 qk_norm_layers: str = "all", qk_norm_weight: bool = True, attn_sink: bool = False):
+                 qk_norm_layers: str = "all", qk_norm_weight: bool = True, attn_sink: bool = False,
+                 block: str = "gpt", n_kv_head: int | None = None, head_dim: int | None = None, tie_head: bool = True,
+                 qkv_bias: bool = False, norm_eps: float = 1e-5):
         super().__init__()
-        if d_model % n_head:
+        if block not in BLOCKS:
+            raise ValueError(f"block={block!r} is unknown; choose one of: {', '.join(BLOCKS)}")
+        if head_dim is None and d_model % n_head:
             raise ValueError(f"n_head={n_head} does not divide d_model={d_model}")
         if attn_scale not in temperature.ATTN_SCALES:
             raise ValueError(f"attn_scale={attn_scale!r} is unknown; choose one of: {', '.join(temperature.ATTN_SCALES)}")
@@ -204,16 +166,21 @@ class GPT(nn.Module):
         self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout, attn_scale, normed[i], qk_norm_weight,
-                                          attn_sink) for i in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
+        kind = Block if block == "gpt" else LlamaBlock
+        self.blocks = nn.ModuleList(kind(d_model, n_head, d_ff, dropout, norm_eps, attn_scale=attn_scale,
+                                         qk_norm=normed[i], qk_weight=qk_norm_weight, sink=attn_sink,
+                                         n_kv_head=n_kv_head, head_dim=head_dim, qkv_bias=qkv_bias)
+                                    for i in range(n_layer))
+        self.ln_f = final_norm(block, d_model, norm_eps)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # tied input and output embeddings
+        if tie_head:
+            self.head.weight = self.tok.weight  # tied input and output embeddings
+        residual = ("proj.weight", "mlp.2.weight", "mlp.down.weight")  # the maps that write into the residual stream
         for name, p in self.named_parameters():
             if name.startswith(("scheme.", "global_scheme.")) or name.endswith(".ssmax"):
                 continue
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(residual) else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)

@@ -157,12 +157,21 @@ def _layered_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, 
 
 
 def _activation_bytes(m: dict, B: int, T: int, b: int, training: bool) -> int:
-    """Saved for backward (training) or alive in one layer (evaluation), per the module docstring."""
+    """Saved for backward (training) or alive in one layer (evaluation), per docs/design.md §5.7: per token, the norms'
+    inputs 2·D, the inputs of qkv and the MLP 2·D, of proj A, the qkv output A + 2·KV, rotated q and k A + KV, the
+    attention output A (A = H·Dh the queries' width, KV = H_kv·Dh), the keys and values repeated for the query heads
+    they serve 2·A (grouped-query attention only), the MLP's hidden vectors 2·F (GELU's) or 4·F (SwiGLU's)."""
     D, F = m["d_model"], m["d_ff"]
+    A, KV = m["n_head"] * _head_dim(m), (m["n_kv_head"] or m["n_head"]) * _head_dim(m)
+    extra = 4 * A + 3 * KV - 7 * D + (2 * A if KV < A else 0)  # 0 for GPT-2's heads: 11·D in all
     if not training:
-        return B * T * (9 * D + 2 * F) * b
-    per_layer = (11 * D + 2 * F + 4) * b  # per token
+        return B * T * (9 * D + (2 if m["block"] == "gpt" else 3) * F + extra) * b
+    per_layer = (11 * D + (2 if m["block"] == "gpt" else 4) * F + 4 + extra) * b  # per token
     return B * T * (m["n_layer"] * per_layer + 2 * D * b)
+
+
+def _head_dim(m: dict) -> int:  # a head's width Dh: model.head_dim, or D / H
+    return m["head_dim"] or m["d_model"] // m["n_head"]
 
 
 def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
@@ -175,19 +184,19 @@ def _logit_bytes(N: int, V: int, device, b: int, training: bool) -> int:
 def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, training: bool, device=None,
                      window: int | None = None) -> int:
     """The kernel's own part, per the module docstring; ``window``: a sliding window of that many tokens."""
-    L, H, D = m["n_layer"], m["n_head"], m["d_model"]
+    L, H, Dh = m["n_layer"], m["n_head"], _head_dim(m)
     lse = B * H * T * LSE_BYTES  # (B, H, T) per layer
     if window is not None and kernel == "banded":  # blocks of WINDOW_QUERIES against their W − 1 earlier keys
         Q = min(dense.WINDOW_QUERIES, T)
         pattern = H * Q * (Q + window) * b  # the table and its mask pattern (a view of (H, 2Q + W))
         if not training:
-            return 3 * H * T * b + pattern + B * H * (T + 2 * Q) * (D // H) * b + lse
+            return 3 * H * T * b + pattern + B * H * (T + 2 * Q) * Dh * b + lse
         if not _bias_graph(spec, m, T)[1]:  # SDPA's fused kernel: each layer's outputs joined, their lse
-            return L * (lse + B * H * T * (D // H) * b) + pattern
+            return L * (lse + B * H * T * Dh * b) + pattern
         # a mask that needs a gradient (T5, KERPLE) sends SDPA to its math path: each layer keeps its blocks'
         # probabilities (B, H, Q, Q + W − 1) and copies of q, k, v; one block's scores and probabilities beside
         pairs = T * (Q + window - 1)
-        return L * (B * H * pairs * b + 3 * B * T * D * b) + BLOCK_TEMPORARIES * B * H * Q * (Q + window) * b + pattern
+        return L * B * H * (pairs + 3 * T * Dh) * b + BLOCK_TEMPORARIES * B * H * Q * (Q + window) * b + pattern
     if window is not None and kernel == "dense":  # the (query, key) pairs of its blocks in place of the triangle's
         return _dense_bytes(spec, m, B, T, b, training, Window(window))
     if window is not None and kernel == "contextual":
@@ -202,14 +211,14 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
     if kernel in ("causal", "flex"):
         return L * lse if training else lse
     if kernel == "folded":
-        Dh1 = D // H + 1
+        Dh1 = Dh + 1
         if not training:
             return 4 * B * H * T * Dh1 * b + lse  # q', k', v', y: (B, H, T, Dh+1)
         keys = sum(e for _, e in _fold_blocks(T))  # Σ end: the keys copied for each query block
         return L * (B * H * Dh1 * (3 * T + keys) * b + lse)
     if kernel == "banded":  # evaluation: table and pattern, one block's mask, the output and a block's partials
         Q = min(blockwise.FOLD_QUERIES, T)
-        return (3 * H * T + H * Q * T) * b + B * H * (T + 2 * Q) * (D // H) * b + lse
+        return (3 * H * T + H * Q * T) * b + B * H * (T + 2 * Q) * Dh * b + lse
     if kernel == "dense":
         return _dense_bytes(spec, m, B, T, b, training)
     if kernel == "contextual":
@@ -219,7 +228,7 @@ def _attention_bytes(spec: dict, m: dict, B: int, T: int, kernel: str, b: int, t
 
 def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, window: Window | None = None) -> int:
     """Dense kernel: per layer the probabilities (math path) or the masks (fused path), plus the bias's graph."""
-    L, H, D = m["n_layer"], m["n_head"], m["d_model"]
+    L, H, Dh = m["n_layer"], m["n_head"], _head_dim(m)
     blocks = dense.dense_blocks(T, H, window)  # [(start, end)]
     first = (lambda s: 0) if window is None else window.first_key
     pairs = sum((e - s) * (e - first(s)) for s, e in blocks)  # (query, key) pairs of all blocks: Σ Q·(end − first)
@@ -233,7 +242,7 @@ def _dense_bytes(spec: dict, m: dict, B: int, T: int, b: int, training: bool, wi
     graph = int(per_pair * pairs) * (copies if once else L)
     if not needs_grad:  # fused SDPA keeps each layer's masks (shared when built once) and log-sum-exp
         return H * pairs * b * (copies if once else L) + L * B * H * T * LSE_BYTES
-    probs = L * (B * H * pairs + 3 * B * T * D) * b  # softmax output (B, H, Q, end) per block; q, k, v copies
+    probs = L * (B * H * pairs + 3 * B * T * H * Dh) * b  # softmax output (B, H, Q, end) per block; q, k, v copies
     return probs + BLOCK_TEMPORARIES * B * H * block * b + graph + mask
 
 
@@ -259,7 +268,7 @@ def _contextual_saved(spec: dict, m: dict, seq_len: int) -> tuple[float, float]:
     q, k, v and the scheme's parameters: fitted to two blocks measured under ``saved_tensors_hooks``, 32 and 64
     queries against as many keys, float32, with the spec's scheme built on the CPU (options filled from
     ``seq_len``). Per query: what does not grow with the keys (CoPE: q·e of each integer position)."""
-    H, Dh = m["n_head"], m["d_model"] // m["n_head"]
+    H, Dh = m["n_head"], _head_dim(m)
     with torch.random.fork_rng(devices=[]):
         scheme = _scheme(spec, m, seq_len)
         inputs = {T: [torch.randn(1, H, T, Dh, requires_grad=True) for _ in range(3)] for T in (32, 64)}
@@ -319,7 +328,7 @@ def _scheme(spec: dict, m: dict, seq_len: int):
     cls = SCHEMES[options.pop("name", DEFAULT_SCHEME)]
     config = cls.make_config(**options)
     config.fill(seq_len)
-    return cls(m["d_model"], m["n_head"], config)
+    return cls(m["d_model"], m["n_head"], config, m["head_dim"])
 
 
 def _per_layer(spec: dict) -> bool:

@@ -38,8 +38,8 @@ class Sinusoidal(PositionalScheme):
         def check(self, longest: int | None = None) -> None:
             check_base(self.base)
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         if d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
         inv_freq = self.config.base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (D/2,)
@@ -86,8 +86,8 @@ class Learned(PositionalScheme):
                 raise ValueError(f"max_positions={n}: a learned table of {n} rows cannot serve length {longest or 1}; "
                                  f"use lengths <= {n} or train with a larger max_positions")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         n = self.config.max_positions
         if n is None:
             raise ValueError("the learned scheme needs max_positions, its number of rows (Config.resolve fills it "

@@ -45,8 +45,8 @@ class ALiBi(PositionalScheme):
     key_only_bias = True
     translation_invariant = True  # −m·(i − j): CPU evaluation runs banded (a mask per distance), training folded
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_head)), persistent=False)  # (H,)
 
     def score_mod(self, score, h, q_pos, k_pos):

@@ -52,7 +52,7 @@ class PositionalScheme(nn.Module):
     """No positional information (NoPE): the causal mask is the only source of order. Every hook is the
     identity. The base of every scheme.
 
-    All schemes share one constructor signature, ``(d_model, n_head, config=None)``, so the registry can
+    All schemes share one constructor signature, ``(d_model, n_head, config=None, head_dim=None)``, so the registry can
     build any of them; ``config`` is an instance of the scheme's own ``Config`` (None: its defaults), kept as
     ``self.config`` and trusted as given: it is checked where it is made (``Config.resolve`` or ``check``).
 
@@ -93,8 +93,11 @@ class PositionalScheme(nn.Module):
 
     Args:
         d_model: model width D.
-        n_head: attention heads H; the head width is D / H.
+        n_head: attention heads H (of the queries: under grouped-query attention each key head serves several).
         config: the scheme's hyperparameters, a ``self.Config``; None gives the defaults.
+        head_dim: Dh, the width of a head (``self.head_dim``); None: D / H (Qwen 3's heads are wider).
+    Raises:
+        ValueError: ``head_dim`` is None and H does not divide D, or ``head_dim`` is below 1.
     """
 
     has_bias: bool = False
@@ -135,9 +138,13 @@ class PositionalScheme(nn.Module):
             (results, eval file names, wandb, report rows, plots): "" here; RoPE's ``+yarn×16``."""
             return ""
 
-    def __init__(self, d_model: int, n_head: int, config: Config | None = None):
+    def __init__(self, d_model: int, n_head: int, config: Config | None = None, head_dim: int | None = None):
         super().__init__()
+        if head_dim is None and d_model % n_head or head_dim is not None and head_dim < 1:
+            raise ValueError(f"head_dim={head_dim!r} with d_model={d_model}, n_head={n_head}: give a head width of at "
+                             "least 1, or none where n_head divides d_model")
         self.d_model, self.n_head = d_model, n_head
+        self.head_dim = d_model // n_head if head_dim is None else head_dim
         self.config = self.Config() if config is None else config
 
     @classmethod

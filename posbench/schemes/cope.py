@@ -77,11 +77,11 @@ class CoPE(PositionalScheme):
                                  f"(null: the train length + 1)")
             check_per_layer(self.per_layer, "CoPE")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         if self.config.npos is None:  # built without the train length (a notebook, a test)
             self.config = dataclasses.replace(self.config, npos=UNFILLED_NPOS)
-        self.table = nn.Parameter(torch.zeros(d_model // n_head, self.config.npos))  # (Dh, npos): e[p] = column p
+        self.table = nn.Parameter(torch.zeros(self.head_dim, self.config.npos))  # (Dh, npos): e[p] = column p
 
     def contextual_bias(self, q: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """q: (B, H, Q, Dh) a block of queries, scores: (B, H, Q, K) their q·k/√Dh, −inf on future keys, in float32

@@ -91,8 +91,8 @@ class Fire(PositionalScheme):
                                  f"(null: the train length)")
             check_per_layer(self.per_layer, "FIRE")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         if self.config.threshold is None:  # built without the train length (a notebook, a test): the reference's L₀
             self.config = dataclasses.replace(self.config, threshold=REFERENCE_INIT_L)
         self.mlp = nn.Sequential(nn.Linear(1, self.config.mlp_width), nn.ReLU(), nn.Linear(self.config.mlp_width, n_head))

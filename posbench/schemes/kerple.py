@@ -66,8 +66,8 @@ class _Kerple(PositionalScheme):
                 if value is not None and (not is_number(value) or not value > _Kerple.FLOOR):
                     raise ValueError(f"{name}={value!r}: KERPLE's initial range needs a number > {_Kerple.FLOOR}")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         r1_max = self.R1_MAX if self.config.r1_max is None else self.config.r1_max
         r2_max = self.R2_MAX if self.config.r2_max is None else self.config.r2_max
         r1 = (torch.rand(n_head, dtype=torch.float64) * r1_max).clamp(min=self.FLOOR)  # (H,)

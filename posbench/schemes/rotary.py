@@ -120,13 +120,12 @@ class _Rotary(PositionalScheme):
                          "low_freq_factor", "high_freq_factor")  # the context-extension methods: a new base
     # (Xiong et al. 2023's ABF), PI, NTK, YaRN, Llama 3's
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         c = self.config
         if c.scaling != "none" and c.original_length is None:
             raise ValueError(f"scaling={c.scaling!r} needs original_length, the train length it scales from "
                              "(Config.resolve fills it with train.seq_len)")
-        self.head_dim = d_model // n_head
 
     def frequencies(self, pos: torch.Tensor, dim: int) -> tuple[torch.Tensor, float]:
         """The scaling method's (inverse frequencies (dim/2,) float64, attention factor) for positions ``pos``."""
@@ -163,8 +162,8 @@ class RoPE(_Rotary):
             partial = "" if self.rotary_fraction == 1 else f"+partial{self.rotary_fraction:g}"
             return partial + super().label()  # rope+partial0.25+yarn×4
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         self.rotated = 2 * max(1, int(self.head_dim * self.config.rotary_fraction) // 2)  # d: even, 2 … Dh
 
     @property
@@ -230,8 +229,8 @@ class PRoPE(RoPE):
         def label(self) -> str:
             return f"+p{self.p:g}" + super().label()  # p_rope+p0.75, p_rope+p0.75+yarn×4
 
-    def __init__(self, d_model, n_head, config=None):
-        _Rotary.__init__(self, d_model, n_head, config)  # not RoPE's: p-RoPE has no rotary_fraction
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        _Rotary.__init__(self, d_model, n_head, config, head_dim)  # not RoPE's: p-RoPE has no rotary_fraction
         self.rotated = 2 * max(1, self.head_dim // 2)  # every pair is in the tables (the dropped ones at angle 0): Dh
         self.kept = min(self.rotated // 2, math.floor(self.config.p * self.rotated / 2 + 1e-9))  # k = ⌊p·Dh/2⌋
 
@@ -294,8 +293,8 @@ class XPos(_Rotary):
             if not is_number(self.scale_base) or not self.scale_base > 0:
                 raise ValueError(f"scale_base={self.scale_base!r}: xPos's scale base must be a number > 0 (512)")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         c, exponent = self.config, torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim  # 2i/Dh
         self.register_buffer("zeta", (exponent + c.gamma) / (1 + c.gamma), persistent=False)  # (Dh/2,)
 

@@ -53,9 +53,9 @@ class Sandwich(PositionalScheme):
             if self.dim is not None and (not is_int(self.dim) or self.dim < 2 or self.dim % 2):
                 raise ValueError(f"dim={self.dim!r}: Sandwich needs an even code width >= 2 (or null: the head width)")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
-        dim = self.config.dim or d_model // n_head
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
+        dim = self.config.dim or self.head_dim
         if dim < 2 or dim % 2:
             raise ValueError(f"sandwich: the head width {dim} is not an even number >= 2; set scheme.dim")
         self.omegas = [10000.0 ** (-2.0 * k / dim) for k in range(1, dim // 2 + 1)]  # ω_1 … ω_{d̄/2}, floats

@@ -72,8 +72,8 @@ class T5Bias(PositionalScheme):
                 raise ValueError(f"max_distance={self.max_distance!r}: must be an integer > num_buckets // 2 = "
                                  f"{self.num_buckets // 2} (the distances with a bucket of their own)")
 
-    def __init__(self, d_model, n_head, config=None):
-        super().__init__(d_model, n_head, config)
+    def __init__(self, d_model, n_head, config=None, head_dim=None):
+        super().__init__(d_model, n_head, config, head_dim)
         B, M = self.config.num_buckets, self.config.max_distance
         self.weight = nn.Parameter(torch.randn(B, n_head) * d_model ** -0.5)  # (B, H)
         buckets = torch.tensor([t5_bucket(n, B, M) for n in range(M + 1)])  # (M + 1,) int64: bucket of distance n
