@@ -26,8 +26,9 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("evaluation", (("stats", "perplexity"), ("passkey", "context", "retrieval"), ("results",))),
     # the value checks, conf/'s resolvers; the evaluation's, remap's and model's checks; the schema and finalize; older records
     ("config", (("checks", "resolvers"), ("eval_checks", "model_checks"), ("schema",), ("upgrade",))),
-    # the tied head and loss in one op, the attention layer and the blocks; the decoder; spec → model; the memory estimate
-    ("model", (("head", "blocks"), ("gpt",), ("build",), ("memory",))),
+    # the tied head and loss in one op, the attention layer and the blocks; the decoder; spec → model; the memory
+    # estimate, a pretrained checkpoint as a model
+    ("model", (("head", "blocks"), ("gpt",), ("build",), ("memory", "pretrained"))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
     # many runs: what plots write on their axes, how the records' settings differ and their rows; the plots, which

@@ -235,8 +235,17 @@ def test_every_closed_choice_is_declared_on_its_field():
     from posbench.attention.remap import METHODS
     from posbench.attention.temperature import ATTN_SCALES, SCALE_LAYERS
     from posbench.attention.windows import WINDOW_KINDS
-    from posbench.config.schema import (BLOCKS, INIT_ROWS, PRECISIONS, PROBES, PROTOCOLS, RESUMES, SCHEDULES, SPLITS,
-                                        PosbenchConfig)
+    from posbench.config.schema import (
+        BLOCKS,
+        INIT_ROWS,
+        PRECISIONS,
+        PROBES,
+        PROTOCOLS,
+        RESUMES,
+        SCHEDULES,
+        SPLITS,
+        PosbenchConfig,
+    )
 
     def declared(schema, prefix=""):
         for f in dataclasses.fields(schema):

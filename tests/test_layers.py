@@ -3,8 +3,9 @@ from the wings below its own or from lower levels of its own wing (imports insid
 ``__init__`` is a docstring saying what lives there, what it may import and where to start, unless LEVELS places it;
 every module imports alone in a fresh interpreter; no import cycle; and the only imports placed inside functions are
 of the third-party packages whose import a run may skip, each with a comment on its line saying so: wandb and
-matplotlib (when tracking or plotting is off), submitit (outside SLURM), datasets (with a warm data cache) and scipy
-(outside a report): each costs start-up time that most processes never need.
+matplotlib (when tracking or plotting is off), submitit (outside SLURM), datasets (with a warm data cache), scipy
+(outside a report) and transformers (the hf extra: only where a pretrained checkpoint is read): each costs start-up
+time that most processes never need.
 
 The imports are read from the source with ``ast``, independently of any tool of the package.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "posbench"
-LAZY_ALLOWED = ("wandb", "matplotlib", "submitit", "datasets", "scipy")
+LAZY_ALLOWED = ("wandb", "matplotlib", "submitit", "datasets", "scipy", "transformers")
 
 
 def modules() -> dict[str, Path]:

@@ -25,8 +25,8 @@ class Attention(nn.Module):
     """Causal self-attention whose positions come from the context of the forward pass
     (posbench/attention/dispatch.py: this layer's scheme, kernel, window, rotation tables, bias; dropout included), with the
     length-dependent scaling of the queries (``attn_scale``: posbench/attention/temperature.py), optionally QK-norm
-    (``qk_norm``: RMSNorm of each head's query and key before any rotation, with or without a learned gain per head
-    dimension, ``qk_weight``) and a learned sink logit per head (``sink``).
+    (``qk_norm``: RMSNorm of each head's query and key before any rotation, epsilon ``qk_eps``, with or without a
+    learned gain per head dimension, ``qk_weight``) and a learned sink logit per head (``sink``).
 
     ``n_head`` query heads of width ``head_dim`` (None: d_model / n_head) and ``n_kv_head`` key/value heads (None:
     n_head), each key/value head shared by n_head / n_kv_head consecutive query heads (grouped-query attention,
@@ -40,7 +40,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_head: int, attn_scale: str = "none", qk_norm: bool = False,
                  qk_weight: bool = True, sink: bool = False, n_kv_head: int | None = None, head_dim: int | None = None,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, qk_eps: float = QK_NORM_EPS):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         if n_kv_head < 1 or n_head % n_kv_head:
@@ -56,7 +56,7 @@ class Attention(nn.Module):
             self.ssmax = nn.Parameter(torch.full((n_head,), SSMAX_INIT))  # (H,)
         self.q_norm = self.k_norm = None
         if qk_norm:  # (Dh,) gains, initialised to 1, where qk_weight
-            self.q_norm, self.k_norm = (nn.RMSNorm(self.head_dim, eps=QK_NORM_EPS, elementwise_affine=qk_weight)
+            self.q_norm, self.k_norm = (nn.RMSNorm(self.head_dim, eps=qk_eps, elementwise_affine=qk_weight)
                                         for _ in range(2))
         self.sink = nn.Parameter(torch.zeros(n_head)) if sink else None  # (H,) (drawn by GPT's initialisation)
 

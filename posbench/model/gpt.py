@@ -39,7 +39,7 @@ from posbench.attention import dispatch, temperature
 from posbench.attention.windows import Window, expand_pattern
 from posbench.config.schema import BLOCKS
 from posbench.model import head
-from posbench.model.blocks import Block, LlamaBlock, final_norm
+from posbench.model.blocks import QK_NORM_EPS, Block, LlamaBlock, final_norm
 from posbench.schemes.base import PositionalScheme
 
 SINK_STD = 0.02  # attention sinks start N(0, 0.02²): Hugging Face's GPT-OSS initialisation (initializer_range)
@@ -73,7 +73,8 @@ class GPT(nn.Module):
             window (query i sees key j when 0 ≤ i − j < W) or the chunk length of a ``chunked`` one (j ≤ i in the
             same chunk of W); None: the L layers attend to every earlier key.
         qk_norm: ``none``, or ``rms``: each head's query and key divided by their root mean square (RMSNorm, eps
-            :data:`QK_NORM_EPS`) before any rotation (Dehghani et al. 2023; Gemma 3, OLMo 2, Qwen 3, Llama 4), on
+            :data:`~posbench.model.blocks.QK_NORM_EPS` in the GPT block, ``norm_eps`` in the Llama block, as Qwen 3's
+            and Gemma 3's) before any rotation (Dehghani et al. 2023; Gemma 3, OLMo 2, Qwen 3, Llama 4), on
             ``qk_norm_layers`` (``all``, or ``local``: the L layers, as Llama 4's RoPE layers), with a learned gain per
             head dimension when ``qk_norm_weight`` (initialised to 1), without one otherwise (Llama 4: then, for a plain
             rotation, RoPE's or p-RoPE's, which keeps each head's norm, it equals Llama 4's norm after the rotation).
@@ -85,7 +86,7 @@ class GPT(nn.Module):
             logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are),
             a function of the query's index t in the window, n = t + 1 the keys it sees (causal by index, whatever
             the positions): ``none`` (1: the model as before, bit for bit), ``log_n`` (ln n / ln L), ``ssmax``
-            (s_h·ln n, s_h learned per head and layer, initialised to :data:`SSMAX_INIT`), and the zero-shot
+            (s_h·ln n, s_h learned per head and layer, initialised to :data:`posbench.model.blocks.SSMAX_INIT`), and the zero-shot
             temperatures, 1 for every t < L: ``floor_log`` (Ministral 3), ``floor_log_n`` (Llama 4),
             ``log_n_clipped`` (ReRoPE, Self-Extend).
         scale_length: L of ``log_n`` and ``log_n_clipped``, F of ``floor_log`` and ``floor_log_n``; unused otherwise.
@@ -169,7 +170,8 @@ class GPT(nn.Module):
         kind = Block if block == "gpt" else LlamaBlock
         self.blocks = nn.ModuleList(kind(d_model, n_head, d_ff, dropout, norm_eps, attn_scale=attn_scale,
                                          qk_norm=normed[i], qk_weight=qk_norm_weight, sink=attn_sink,
-                                         n_kv_head=n_kv_head, head_dim=head_dim, qkv_bias=qkv_bias)
+                                         n_kv_head=n_kv_head, head_dim=head_dim, qkv_bias=qkv_bias,
+                                         qk_eps=QK_NORM_EPS if block == "gpt" else norm_eps)
                                     for i in range(n_layer))
         self.ln_f = final_norm(block, d_model, norm_eps)
         self.head = nn.Linear(d_model, vocab_size, bias=False)

@@ -1,0 +1,166 @@
+"""A pretrained checkpoint as a posbench model: a Hugging Face folder, a Hub id in the local cache, or a GGUF file,
+read by transformers and rebuilt as posbench's own model (``model.block=llama``), so that every evaluation feature
+(lengths, protocols, probes, ``eval.remap``, scalings and temperatures given at evaluation) runs on it unchanged.
+
+    spec, state, source = read("HuggingFaceTB/SmolLM2-135M")        # or a folder, or a .gguf file
+    model = load("path/to/checkpoint")                                # the posbench model, in eval mode
+
+transformers reads the checkpoint (its config, sharded safetensors or GGUF, dequantised to float32): a well-kept
+reader beats a hand-written one; posbench maps its config to a model spec (:func:`spec_of`) and its state dict to
+posbench's parameter names (:func:`state_of`). The families: :data:`FAMILIES`. Needs the ``hf`` extra
+(``pip install ".[hf]"``); transformers is imported where a checkpoint is read, so posbench starts without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from posbench.attention.windows import expand_pattern
+from posbench.model.build import build_model
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")  # config.json's model_type
+ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
+
+
+class PretrainedError(ValueError):
+    """A checkpoint posbench cannot read or rebuild; the message is one line that says why and what is allowed."""
+
+
+def read(source: str) -> tuple[dict, dict, dict]:
+    """(model spec, state dict in posbench's names, what the checkpoint is) of ``source``: a folder with a
+    config.json, a Hub id in the local cache, or a ``.gguf`` file (dequantised to float32 by transformers).
+
+    The third item: ``{"source": …, "family": …, "train_length": L, "quantisation": …}``, L the checkpoint's
+    ``original_max_position_embeddings`` where its config scales RoPE, else ``max_position_embeddings``.
+    Raises PretrainedError: a path that does not exist, a folder without a config, a family outside :data:`FAMILIES`,
+    an option posbench's model lacks (see :func:`spec_of`), a Hub id not in the local cache (offline)."""
+    import transformers  # (the hf extra: imported only where a checkpoint is read)
+
+    path = Path(source)
+    gguf = path.suffix == ".gguf"
+    if (gguf or source.startswith((".", "/", "~"))) and not path.expanduser().exists():
+        raise PretrainedError(f"pretrained={source}: no such file or folder")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise PretrainedError(f"pretrained={source}: the folder has no config.json; give a Hugging Face model folder, "
+                              "a Hub id or a .gguf file")
+    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} if gguf else \
+        {"pretrained_model_name_or_path": source}
+    try:
+        config = transformers.AutoConfig.from_pretrained(**where)
+        spec = spec_of(config)  # refuses a family or option before any weight is read
+        hf = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    except OSError as err:
+        raise PretrainedError(f"pretrained={source}: {str(err).splitlines()[0]}") from None
+    quant = _gguf_type(path) if gguf else None
+    info = {"source": source, "family": config.model_type, "train_length": _train_length(config), "quantisation": quant}
+    return spec, state_of(hf.state_dict(), spec), info
+
+
+def load(source: str, overrides: dict | None = None):
+    """The posbench model of ``source`` (:func:`read`), in eval mode, ``overrides`` merged over its spec as
+    ``posbench.model.build.build_model`` does (a scaling given at evaluation). Raises PretrainedError as :func:`read`."""
+    spec, state, _ = read(source)
+    model = build_model(spec, overrides)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def spec_of(config) -> dict:
+    """The model spec (posbench/model/build.py) of a transformers config of one of :data:`FAMILIES`: the Llama block,
+    its sizes, grouped-query heads, head width, tied or untied head, q/k/v biases (qwen2), QK-norm (qwen3), RoPE's
+    base and scaling (``rope_scaling``/``rope_parameters``: default, linear, dynamic, yarn, llama3 as ``scheme.*``),
+    a sliding window over every layer (mistral, qwen2's ``use_sliding_window``), SmolLM3's NoPE layers as a layer
+    pattern with ``model.global_scheme: nope``; token embeddings not scaled by √D. Raises PretrainedError."""
+    family = config.model_type
+    if family not in FAMILIES:
+        raise PretrainedError(f"model_type {family!r} is not a family posbench rebuilds; the families: "
+                              f"{', '.join(FAMILIES)}")
+    if getattr(config, "mlp_bias", False) or family in ("llama", "mistral") and getattr(config, "attention_bias", False):
+        raise PretrainedError(f"{family}: biases on the MLP or the attention output are not in posbench's Llama block")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise PretrainedError(f"{family}: hidden_act={config.hidden_act!r}; posbench's SwiGLU uses silu")
+    heads, width = config.num_attention_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or width // heads
+    model = {"block": "llama", "n_layer": config.num_hidden_layers, "n_head": heads, "d_model": width,
+             "d_ff": config.intermediate_size, "n_kv_head": config.num_key_value_heads,
+             "head_dim": None if head_dim * heads == width else head_dim, "tie_head": bool(config.tie_word_embeddings),
+             "qkv_bias": family == "qwen2", "norm_eps": float(config.rms_norm_eps), "scale_embeddings": False,
+             "qk_norm": "rms" if family == "qwen3" else "none"}
+    window = getattr(config, "sliding_window", None) if family == "mistral" or getattr(
+        config, "use_sliding_window", False) else None
+    if window:
+        model.update(layer_pattern="L", window=int(window))
+    if family == "smollm3":
+        model.update(_nope_layers(config))
+    return {"vocab_size": config.vocab_size, "model": model, "scheme": _rope(config)}
+
+
+def state_of(hf_state: dict, spec: dict) -> dict:
+    """transformers' state dict of a :data:`FAMILIES` model in posbench's parameter names for ``spec``: the q, k and v
+    projections joined into ``qkv`` (rows q, then k, then v), the rest renamed one to one."""
+    m = spec["model"]
+    out = {"tok.weight": hf_state["model.embed_tokens.weight"], "ln_f.weight": hf_state["model.norm.weight"]}
+    out["head.weight"] = hf_state["model.embed_tokens.weight" if m["tie_head"] else "lm_head.weight"]
+    names = {"self_attn.o_proj": "attn.proj", "input_layernorm": "ln1", "post_attention_layernorm": "ln2",
+             "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",
+             "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
+    for i in range(m["n_layer"]):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        for part in ("weight", "bias") if m["qkv_bias"] else ("weight",):
+            out[f"{ours}attn.qkv.{part}"] = torch.cat([hf_state[f"{hf}self_attn.{p}_proj.{part}"] for p in "qkv"])
+        for theirs, mine in names.items():
+            if f"{hf}{theirs}.weight" in hf_state:
+                out[f"{ours}{mine}.weight"] = hf_state[f"{hf}{theirs}.weight"]
+    return out
+
+
+def _rope(config) -> dict:
+    """``scheme`` of a transformers config: RoPE with its base and scaling (transformers 5's ``rope_parameters``, or
+    the older ``rope_theta`` and ``rope_scaling``). Raises PretrainedError for another rope type."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise PretrainedError(f"rope_type {kind!r} is not one posbench rebuilds; the types: {', '.join(ROPE_TYPES)}")
+    scheme = {"name": "rope", "base": float(params["rope_theta"]), "scaling": ROPE_TYPES[kind]}
+    if kind == "default":
+        return scheme
+    scheme.update(factor=float(params["factor"]), original_length=_train_length(config))
+    if kind == "yarn":
+        scheme.update(beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0))
+        if params.get("attention_factor") is not None or params.get("mscale") or params.get("truncate") is False:
+            raise PretrainedError("yarn with attention_factor, mscale or truncate=False is not posbench's YaRN")
+    if kind == "llama3":
+        scheme.update(low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]))
+    return scheme
+
+
+def _train_length(config) -> int:
+    """The checkpoint's train length L: ``original_max_position_embeddings`` where the config scales RoPE (in its
+    rope parameters or at the top level), else ``max_position_embeddings``."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    scaled = params.get("rope_type", params.get("type", "default")) != "default"
+    return int(original if scaled and original else config.max_position_embeddings)
+
+
+def _nope_layers(config) -> dict:
+    """SmolLM3's ``no_rope_layers`` (1: the layer turns q and k, 0: NoPE) as ``model.layer_pattern`` (L: RoPE, G:
+    NoPE) with ``model.global_scheme: nope``; a pattern that no repeated unit makes is refused."""
+    kinds = "".join("L" if used else "G" for used in config.no_rope_layers[: config.num_hidden_layers])
+    if "G" not in kinds:
+        return {}
+    if "L" not in kinds:
+        raise PretrainedError("smollm3 with no RoPE layer at all: give it as a NoPE model")
+    unit = next(kinds[:p] for p in range(1, len(kinds) + 1) if expand_pattern(kinds[:p], len(kinds)) == kinds)
+    return {"layer_pattern": unit, "global_scheme": {"name": "nope"}}
+
+
+def _gguf_type(path: Path) -> str:
+    """The quantisation a GGUF file's name says (``Q4_1`` in ``…-Q4_1.gguf``), or ``gguf``."""
+    stem = path.stem.upper()
+    kinds = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32")
+    return next((k for k in kinds if k in stem), "gguf")
