@@ -12,8 +12,9 @@ import torch
 from torch.testing import assert_close
 
 from posbench.attention import blockwise, dense, dispatch
+from posbench.model.blocks import Attention
 from posbench.model.build import build_model
-from posbench.model.gpt import GPT, Attention
+from posbench.model.gpt import GPT
 from posbench.schemes import SCHEMES, build_scheme
 
 L = 16  # the "train length" of these random-init models
