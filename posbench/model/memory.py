@@ -9,7 +9,7 @@ anything; this module turns them into a byte count and compares it with what the
     parts = step_bytes(spec, 16, 128, kernel=None, device="cpu")           # each layer's kernel (hybrid layers)
     check_fits(spec, 16, 100000, kernel, "cpu", "train.seq_len=100000 × train.batch_size=16")  # MemoryTooSmall
 
-The parts are weights, the optimizer's state, the activations autograd keeps (counted from posbench/model/gpt.py), what
+The parts are weights, the optimizer's state, the activations autograd keeps (counted from posbench/model/blocks.py), what
 the attention kernel keeps, and the logits; docs/design.md §5.7 gives each formula and what is not counted. A model
 whose layers differ (a hybrid's global scheme, a local layer's window, sinks: :func:`layer_kernels`) is counted
 layer group by layer group; a chunked window's kernel runs on its chunks, a batch of ⌈T/C⌉ times as many windows of
