@@ -274,7 +274,8 @@ def test_model_spec_is_exact_and_resolved():
                   "scale_embeddings": True, "attn_scale": "none", "scale_length": None, "scale_beta": 0.1,
                   "scale_layers": "all", "layer_pattern": "G",
                   "global_scheme": None, "window": None, "window_kind": "sliding", "qk_norm": "none",
-                  "qk_norm_layers": "all", "qk_norm_weight": True, "attn_sink": False}}
+                  "qk_norm_layers": "all", "qk_norm_weight": True, "attn_sink": False, "block": "gpt",
+                  "n_kv_head": None, "head_dim": None, "tie_head": True, "qkv_bias": False, "norm_eps": 1e-5}}
 
 
 def test_build_model_overrides_and_defaults():
