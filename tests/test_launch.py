@@ -392,6 +392,11 @@ APP = textwrap.dedent("""
         with gpus.job_gpu(HydraConfig.get()) as device:
             start = time.monotonic()
             seen = os.environ["CUDA_VISIBLE_DEVICES"]
+            started = os.environ["STARTED_DIR"]  # hold the GPU until a second job runs beside this one,
+            open(os.path.join(started, str(cfg.seed)), "w").close()  # so a slow-starting worker can't
+            deadline = time.monotonic() + 30  # leave all five jobs to the first one
+            while len(os.listdir(started)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(0.3)
             record = dict(device=device, seen=seen, pid=os.getpid(), start=start, end=time.monotonic())
         with open(os.path.join(HydraConfig.get().runtime.output_dir, "gpu.json"), "w") as f:
@@ -408,12 +413,14 @@ def test_joblib_sweep_end_to_end(tmp_path):
     """A real `-m hydra/launcher=joblib` sweep of 5 jobs on 2 fake GPUs: loky workers run several jobs each."""
     app = tmp_path / "app.py"
     app.write_text(APP)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "g0,g1", gpus.LOCK_DIR_ENV: str(tmp_path / "locks")}
+    (tmp_path / "started").mkdir()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "g0,g1", gpus.LOCK_DIR_ENV: str(tmp_path / "locks"),
+           "STARTED_DIR": str(tmp_path / "started")}
     env.pop("LOCAL_RANK", None)
     sweep = tmp_path / "sweep"
     out = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=joblib", "seed=0,1,2,3,4",
                           f"hydra.sweep.dir={sweep}", "~hydra.callbacks.report"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "n_jobs=2" in out.stdout + out.stderr  # one worker per GPU
     assert "validated against ConfigStore schema" not in out.stderr
