@@ -4,6 +4,7 @@
     posbench train -m experiment=demo                        # the four-scheme sweep; a table at the end
     posbench train --cfg job                                 # print the composed config (any Hydra flag works)
     posbench eval run=outputs/…/alibi eval.protocol=sliding eval.stride=64   # re-evaluate, no retraining
+    posbench eval pretrained=SmolLM2-135M-Instruct.Q4_1.gguf eval.remap=self_extend   # a pretrained checkpoint
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]  # report.md, report.csv and plots
 
 Each of ``train`` and ``eval`` is one ``@hydra.main`` over the schemas this module stores in Hydra's ConfigStore
@@ -62,6 +63,7 @@ USAGE = """usage: posbench <command> [overrides...]
 commands:
   train    train at length L, evaluate at L..16L   posbench train scheme=alibi
   eval     re-evaluate a trained run               posbench eval run=<run folder> eval.protocol=sliding eval.stride=64
+           or evaluate a pretrained checkpoint     posbench eval pretrained=<HF model folder | Hub id | .gguf file>
   report   tables and plots from runs              posbench report <folders...> [--out DIR]
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
@@ -197,8 +199,8 @@ def _eval(cfg: DictConfig) -> None:
         except (ConfigError, DataError) as e:
             fail(str(e))
         rec = eval_job.run(job)
-        tracker = Tracker.from_config(job.config, job.run_dir, "eval", config=rec["config"],
-                                      name=f"{rec['label']} {rec['protocol']} {rec['split']}")
+        tracker = Tracker.from_config(job.config, job.run_dir, "eval", name=f"{rec['label']} {rec['protocol']} {rec['split']}",
+                                      config={**rec["config"], **{k: rec[k] for k in ("pretrained",) if k in rec}})
         tracker.log_eval(rec["results"])
         tracker.log_passkey(passkey.accuracy(rec["passkey"]["trials"]) if rec.get("passkey") else None)
         tracker.log_context(rec.get("context"))
@@ -277,8 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def resume_hint(argv: list[str], sweep: Path) -> str:
-    """How to resume the sweep in ``sweep`` that ``argv`` (``train -m …``) started: its command with
-    ``hydra.sweep.dir``."""
+    """How to resume the sweep in ``sweep`` that ``argv`` (``train -m …``) started: its command with hydra.sweep.dir."""
     again = ["posbench", *(a for a in argv if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={sweep}"]
     return ("to resume this sweep (each job from its training state, the finished ones skipped, the rest started), "
             f"run the same command with hydra.sweep.dir: {shlex.join(again)}")

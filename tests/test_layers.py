@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "posbench"
-LAZY_ALLOWED = ("wandb", "matplotlib", "submitit", "datasets", "scipy", "transformers")
+LAZY_ALLOWED = ("wandb", "matplotlib", "submitit", "datasets", "scipy", "transformers", "huggingface_hub")
 
 
 def modules() -> dict[str, Path]:

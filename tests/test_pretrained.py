@@ -76,7 +76,9 @@ def test_the_spec_names_the_checkpoint_s_design(tmp_path):
     spec, _, info = pretrained.read(str(checkpoint(tmp_path, "smollm3")[0]))
     assert spec["model"]["layer_pattern"] == "LLLG" and spec["model"]["global_scheme"] == {"name": "nope"}
     assert spec["model"]["block"] == "llama" and spec["model"]["n_kv_head"] == 2 and not spec["model"]["scale_embeddings"]
-    assert info == {"source": str(tmp_path / "smollm3"), "family": "smollm3", "train_length": L, "quantisation": None}
+    assert {k: info[k] for k in ("name", "source", "family", "train_length", "quantisation")} == {
+        "name": "smollm3", "source": str(tmp_path / "smollm3"), "family": "smollm3", "train_length": L,
+        "quantisation": None}
     spec, _, info = pretrained.read(str(checkpoint(tmp_path, "llama_yarn")[0]))
     assert spec["scheme"] == {"name": "rope", "base": 500.0, "scaling": "yarn", "factor": 4.0, "original_length": 16,
                               "beta_fast": 32.0, "beta_slow": 1.0}
@@ -115,7 +117,12 @@ def test_the_real_smollm2_gguf_gives_transformers_nll_on_1024_tokens():
 
     path = smollm2_gguf()
     spec, state, info = pretrained.read(path)
-    assert info == {"source": path, "family": "llama", "train_length": 8192, "quantisation": "Q4_1"}
+    import hashlib
+
+    with open(path, "rb") as f:
+        weights = hashlib.file_digest(f, "sha256").hexdigest()
+    assert info == {"name": "SmolLM2-135M-Instruct", "source": path, "sha256": weights, "family": "llama",
+                    "train_length": 8192, "quantisation": "Q4_1"}
     sizes = {k: spec["model"][k] for k in ("n_layer", "n_head", "n_kv_head", "d_model")}
     assert sizes == {"n_layer": 30, "n_head": 9, "n_kv_head": 3, "d_model": 576} and spec["scheme"]["base"] == 1e5
     model = build_model(spec)

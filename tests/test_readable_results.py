@@ -135,7 +135,7 @@ EVAL_REFUSALS = {
                                                    r"'eval\.probes=\[passkey\]'"]),
     "lengths-not-a-list": (["eval.lengths=64"], [r"eval\.lengths=64", r"must be a list", r"'eval\.lengths=\[64\]'"]),
     "scheme-group": (["scheme=alibi"], [r"^scheme=alibi", r"scheme cannot be changed by posbench eval",
-                                        r"options of the run's scheme", r"scheme\.scaling=yarn"]),
+                                        r"options of the run's or checkpoint's scheme", r"scheme\.scaling=yarn"]),
     "model-group": (["model=small"], [r"^model=small", r"model cannot be changed by posbench eval", r"eval\.\*"]),
 }
 

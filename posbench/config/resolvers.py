@@ -1,13 +1,14 @@
 """The OmegaConf resolvers conf/'s files use, registered wherever posbench.config.schema is imported (joblib and SLURM
 workers as well): ``${posbench_times:${train.seq_len},0.25}`` (a length as a multiple of L) and ``${posbench_label:}``
-(the run's label as a folder name's part, conf/train.yaml's run and sweep folders).
+(the run's label as a folder name's part, conf/train.yaml's run and sweep folders) and ``${posbench_eval_dir:…}`` (the
+folder posbench eval writes into).
 """
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from posbench.evaluation.results import file_label, run_label
+from posbench.evaluation.results import checkpoint_name, file_label, run_label
 
 
 def times(value, factor) -> int:
@@ -30,3 +31,15 @@ def run_name(*, _root_) -> str:
 
 
 OmegaConf.register_new_resolver("posbench_label", run_name, replace=True)
+
+
+def eval_dir(run, pretrained) -> str:
+    """``${posbench_eval_dir:${run},${pretrained}}``: the folder ``posbench eval`` writes into, conf/eval.yaml's run
+    folder: the run's own, or for a pretrained checkpoint ``outputs/pretrained/<its name>``
+    (``posbench.evaluation.results.checkpoint_name``), where every evaluation of it gathers for the report."""
+    if run or not pretrained:
+        return str(run)
+    return f"outputs/pretrained/{checkpoint_name(str(pretrained))}"
+
+
+OmegaConf.register_new_resolver("posbench_eval_dir", eval_dir, replace=True)

@@ -1,14 +1,12 @@
 """The configuration's schema and :func:`finalize`: what Hydra composes into, and what makes it a finished config.
 
 The dataclasses below are the structured configs of ``posbench train`` (:class:`PosbenchConfig`) and ``posbench
-eval`` (:func:`eval_schema`); a misspelt key or a wrong type fails at composition. The ``scheme`` node takes one
-schema per registered scheme, made from the scheme's own ``Config`` by :func:`scheme_schema` (posbench/schemes/):
-``scheme=learned scheme.max_positions=64`` is checked against the learned scheme's fields, and ``scheme=rope
-scheme.max_positions=64`` fails at composition. posbench/cli.py stores them in Hydra's ConfigStore.
-:func:`finalize` fills the derived defaults (evaluation lengths, the scheme's ``Config.resolve``) and checks every
-value (:class:`ConfigError`) before any data is read or any step is trained, with the checkers of
-posbench/config/checks.py: a closed choice is declared once, on its field (``choices(...)``: field metadata), and
-checked with every other in one loop.
+eval`` (:func:`eval_schema`), stored in Hydra's ConfigStore by posbench/cli.py; a misspelt key or a wrong type fails at
+composition. The ``scheme`` node takes one schema per registered scheme, made from its ``Config`` by
+:func:`scheme_schema`: ``scheme=rope scheme.max_positions=64`` fails at composition. :func:`finalize` fills the
+derived defaults (evaluation lengths, the scheme's ``Config.resolve``) and checks every value (:class:`ConfigError`)
+before any data is read or any step is trained, with posbench/config/checks.py's checkers: a closed choice is
+declared once, on its field (``choices(...)``: field metadata), and checked with every other in one loop.
 
 Scheme, model and data code never see these objects: the jobs hand them plain values.
 """
@@ -167,19 +165,27 @@ class PosbenchConfig:
 @dataclass
 class EvalModelConfig:
     """The model options ``posbench eval`` may change, the zero-shot temperature's (posbench/attention/temperature.py); None:
-    the run's own."""
-
+    the run's own. The sizes and the block may be given only as the run's or the checkpoint's own."""
     attn_scale: Optional[str] = None  # none | floor_log | floor_log_n | log_n_clipped (1 within L)
     scale_length: Optional[int] = None
     scale_beta: Optional[float] = None
     scale_layers: Optional[str] = None
+    block: Optional[str] = None
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_kv_head: Optional[int] = None
+    d_model: Optional[int] = None
+    d_ff: Optional[int] = None
+    head_dim: Optional[int] = None
 
 
 @dataclass
 class EvalJobConfig:
-    """``posbench eval``: re-evaluate the checkpoint in ``run`` with these evaluation settings."""
+    """``posbench eval``: evaluate the checkpoint in ``run``, or the ``pretrained`` one, with these settings."""
 
-    run: str = MISSING  # a run folder holding checkpoint.pt
+    run: Optional[str] = None  # a run folder holding checkpoint.pt
+    pretrained: Optional[str] = None  # or a Hugging Face model folder, a Hub id or a .gguf file (posbench/model/pretrained.py)
+    data: Optional[DataConfig] = None  # pretrained= only: the corpus (a conf/data/ option; None: data=shakespeare)
     eval: EvalConfig = field(default_factory=EvalConfig)
     device: str = "auto"
     threads: Optional[int] = None
@@ -215,9 +221,8 @@ def _options(config_class: type, optional: bool = False) -> list[tuple[str, Any,
 
 
 def scheme_schema(name: str) -> type:
-    """The structured config of the scheme registered as ``name``: ``name: str = <name>``, then the fields of
-    the scheme's ``Config`` (types and defaults); ``posbench.config.schema.scheme_<name>``. Raises KeyError for a name
-    not in ``SCHEMES``."""
+    """The structured config of the scheme registered as ``name``: ``name: str = <name>``, then the fields of the
+    scheme's ``Config`` (types and defaults); ``posbench.config.schema.scheme_<name>``. Raises KeyError if unknown."""
     return schema(f"scheme_{name}", [("name", str, field(default=name)), *_options(SCHEMES[name].Config)])
 
 

@@ -59,11 +59,13 @@ class Corpus:
     vocab_size: int
     tokenizer_path: Path
     same_as: dict = field(default_factory=dict)
+    eos_token: str = EOS
 
     @cached_property
     def eos(self) -> int:
-        """The ``<|endoftext|>`` token's id (between documents; the separator of copy windows)."""
-        return Tokenizer.from_file(str(self.tokenizer_path)).token_to_id(EOS)
+        """The id of the token between documents (``<|endoftext|>``, or a pretrained tokenizer's own end of text; the
+        separator of copy windows)."""
+        return Tokenizer.from_file(str(self.tokenizer_path)).token_to_id(self.eos_token)
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -93,14 +95,14 @@ def _first_chars(ds, max_chars: Optional[int]):
             yield text
 
 
-def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] = None) -> int:
-    """Tokenize a split in batches and write ids + EOS per document; return the count of ids written.
+def _write_split(ds, tok, path: Path, num_proc: int, max_tokens: Optional[int] = None, eos_token: str = EOS) -> int:
+    """Tokenize a split in batches and write ids + ``eos_token`` per document; return the count of ids written.
 
     Without a budget through ``datasets.map`` (``num_proc`` workers); with ``max_tokens`` lazily, stopping
     once the budget is written (the last document cut)."""
     from datasets.utils import tqdm  # here, not at the top: only building a cache needs it (0.5 s of start-up)
 
-    eos = tok.token_to_id(EOS)
+    eos = tok.token_to_id(eos_token)
     dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
 
     def encode(batch):
@@ -147,12 +149,17 @@ def _load_files(split_files: dict, clean, cache_dir: str | None):
 
 
 def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: int = 1, passkey_rate: float = 0.0,
-            **options) -> Corpus:
-    """Load corpus ``name``, train its tokenizer and cache its token ids; reuse the cache when present.
+            tokenizer: Tokenizer | None = None, **options) -> Corpus:
+    """Load corpus ``name``, train its tokenizer (or take ``tokenizer``) and cache its token ids; reuse the cache when
+    present.
 
     Args:
         name: a key of :data:`FILE_CORPORA` or :data:`HUB_CORPORA`.
-        vocab_size: BPE vocabulary size, special token included.
+        vocab_size: BPE vocabulary size, special token included (ignored with ``tokenizer``).
+        tokenizer: a pretrained checkpoint's tokenizer (posbench/model/pretrained.py) to tokenise with instead of
+            training one; the cache is keyed by its JSON's sha256, and documents end with its ``<|endoftext|>``
+            where it has one, else its end-of-text token (its ``eos_token`` in the JSON's added tokens, see
+            :func:`end_of_text`).
         num_proc: tokenization worker processes (``datasets.map``).
         passkey_rate: ``data.passkey_rate``, a training option (needles inserted into training windows,
             posbench/evaluation/passkey.py), not part of the corpus: ignored here.
@@ -187,6 +194,9 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
     else:
         raise DataError(f"unknown corpus {name!r}; choose one of: {', '.join(sorted([*FILE_CORPORA, *HUB_CORPORA]))}")
     identity.update({k: v for k, v in limits.items() if v is not None})  # absent when unset: old keys stay valid
+    if tokenizer is not None:
+        identity.update(vocab_size=tokenizer.get_vocab_size(), eos=end_of_text(tokenizer),
+                        tokenizer=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cache_dir) / f"{name}-{key}"
     if not (root / "meta.json").exists():
@@ -194,18 +204,30 @@ def prepare(name: str, vocab_size: int, cache_dir: str | None = None, num_proc: 
         with open(root.with_name(f"{root.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one build per cache: the other processes of this machine (torchrun
             if not (root / "meta.json").exists():  # ranks, sweep jobs) wait here, then use the finished copy
-                _build_into(root, identity, load, vocab_size, num_proc, limits)
+                _build_into(root, identity, load, vocab_size, num_proc, limits, tokenizer)
     return load_cached(root)
 
 
-def _build_into(root: Path, identity: dict, load, vocab_size: int, num_proc: int, limits: dict) -> None:
+def end_of_text(tokenizer: Tokenizer) -> str:
+    """The token a pretrained ``tokenizer`` ends documents with: ``<|endoftext|>`` where its vocabulary has it
+    (GPT-2, SmolLM, Qwen), else the first special token of ``</s>``, ``<|end_of_text|>`` (Llama 3), ``<|im_end|>``.
+    Raises DataError where it has none of them."""
+    for token in (EOS, "</s>", "<|end_of_text|>", "<|im_end|>"):
+        if tokenizer.token_to_id(token) is not None:
+            return token
+    raise DataError("the checkpoint's tokenizer has no end-of-text token (<|endoftext|>, </s>, <|end_of_text|> or "
+                    "<|im_end|>) to put between documents")
+
+
+def _build_into(root: Path, identity: dict, load, vocab_size: int, num_proc: int, limits: dict,
+                tokenizer: Tokenizer | None = None) -> None:
     """Build the cache in a temporary folder beside ``root`` and rename it to ``root`` (atomic: a concurrent
     reader sees nothing or the whole folder, e.g. on a shared file system where the lock does not reach)."""
     tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _build(tmp, identity, load(tmp), vocab_size, num_proc, limits)
+        _build(tmp, identity, load(tmp), vocab_size, num_proc, limits, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -215,17 +237,19 @@ def _build_into(root: Path, identity: dict, load, vocab_size: int, num_proc: int
         shutil.rmtree(tmp, ignore_errors=True)  # another machine's run finished first; use its copy
 
 
-def _build(tmp: Path, identity: dict, ds, vocab_size: int, num_proc: int, limits: dict) -> None:
-    """Train the tokenizer on ``ds["train"]``; write tokenizer.json, <split>.bin and meta.json into ``tmp``."""
+def _build(tmp: Path, identity: dict, ds, vocab_size: int, num_proc: int, limits: dict,
+           tokenizer: Tokenizer | None = None) -> None:
+    """Train the tokenizer on ``ds["train"]`` (or take ``tokenizer``); write tokenizer.json, <split>.bin and meta.json
+    into ``tmp``."""
     if limits["max_train_docs"] is not None and len(ds["train"]) > limits["max_train_docs"]:
         ds["train"] = ds["train"].select(range(limits["max_train_docs"]))
     for s in SPLITS:
         if len(ds[s]) == 0:
             raise DataError(f"data={identity['corpus']}: the {s} split holds no documents")
-    tok = train_tokenizer(_first_chars(ds["train"], limits["tokenizer_train_chars"]), vocab_size)
+    tok = tokenizer or train_tokenizer(_first_chars(ds["train"], limits["tokenizer_train_chars"]), vocab_size)
     tok.save(str(tmp / "tokenizer.json"))
-    budget = {"train": limits["max_train_tokens"]}  # validation/test are always whole
-    counts = {s: _write_split(ds[s], tok, tmp / f"{s}.bin", num_proc, budget.get(s)) for s in SPLITS}
+    budget, eos = {"train": limits["max_train_tokens"]}, identity.get("eos", EOS)  # validation/test are always whole
+    counts = {s: _write_split(ds[s], tok, tmp / f"{s}.bin", num_proc, budget.get(s), eos) for s in SPLITS}
     meta = {**identity, "vocab_size": tok.get_vocab_size(), "tokens": counts,
             "dtype": "uint16" if tok.get_vocab_size() <= 65536 else "uint32"}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -241,4 +265,5 @@ def load_cached(root: Path) -> Corpus:
     tokens = {s: np.memmap(root / f"{s}.bin", dtype=meta["dtype"], mode="r") for s in SPLITS}
     files = meta.get("files") or {}
     same_as = {"test": "validation"} if files.get("test") and files["test"] == files.get("validation") else {}
-    return Corpus(meta["corpus"], root.name, root, tokens, meta["vocab_size"], root / "tokenizer.json", same_as)
+    return Corpus(meta["corpus"], root.name, root, tokens, meta["vocab_size"], root / "tokenizer.json", same_as,
+                  meta.get("eos", EOS))

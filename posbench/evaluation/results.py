@@ -21,6 +21,7 @@ import csv
 import dataclasses
 import itertools
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,7 +40,8 @@ CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", 
                "nll", "tokens", "train_tokens", "train_seconds", "tokens_per_second", "seed", "torch", "device", "threads",
                "context_diff", "context_ci_low", "context_ci_high",  # context_*: eval.probes=[context], lengths past L
                "passkey_trials", "passkey_correct", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high",
-               "passkey_gain"]  # passkey_*: eval.probes=[passkey], its probe lengths (exact match, Wilson 95% interval)
+               "passkey_gain",  # passkey_*: eval.probes=[passkey], its probe lengths (exact match, Wilson 95% interval)
+               "checkpoint", "checkpoint_sha256", "quantisation"]  # a pretrained checkpoint's (posbench eval pretrained=)
 PASSKEY_CSV = {"trials": "n", "correct": "correct", "accuracy": "accuracy", "ci_low": "ci_low", "ci_high": "ci_high",
                "gain": "gain"}  # results.csv's passkey_<column> → posbench.evaluation.retrieval.run_cells' key
 
@@ -100,6 +102,25 @@ def evaluation_label(config: dict, trained: dict, lineage: dict | None = None) -
     ``rope@self_extend(W32,G32) (log_n_clipped at eval)``."""
     done = applied(config, trained, lineage)
     return "{} ({} at eval)".format(*done) if done else run_label(config, lineage)
+
+
+def checkpoint_name(source: str) -> str:
+    """A pretrained checkpoint's name in labels and folder names: a GGUF file's stem without its quantisation
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``), a folder's name, a Hub id's model name
+    (``HuggingFaceTB/SmolLM2-135M`` → ``SmolLM2-135M``)."""
+    path = Path(str(source).rstrip("/"))
+    name = path.stem if path.suffix == ".gguf" else path.name
+    return re.sub(r"[.-](I?Q\d\w*|F16|BF16|F32)$", "", name, flags=re.IGNORECASE) or name
+
+
+def pretrained_label(name: str, config: dict, trained: dict) -> str:
+    """An evaluation of a pretrained checkpoint's label: its ``name`` (:func:`checkpoint_name`), then what the
+    evaluation applied to it, a remap and other scheme options or a temperature (:func:`applied`):
+    ``SmolLM2-135M-Instruct (self_extend(W1024,G8) at eval)``, ``SmolLM2-135M-Instruct (yarn×4 at eval)``."""
+    remapped = remap_label(config)[1:]
+    done = applied(config, {**trained, "eval": config.get("eval") or {}})
+    parts = [p for p in (remapped, done[1] if done else "") if p]
+    return f"{name} ({'+'.join(parts)} at eval)" if parts else name
 
 
 def tricks_label(config: dict) -> str:
@@ -182,7 +203,8 @@ def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
     """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length, in length order, with the
     context probe's difference and interval at the lengths it measured, and the passkey probe's exact-match accuracy
     and Wilson interval at its probe lengths: a length probed but not scored for perplexity (``eval.passkey.lengths``)
-    gets a row of its own with empty perplexity cells); return the JSON path."""
+    gets a row of its own with empty perplexity cells), and, for a pretrained checkpoint, its source, the sha256 of its
+    weights and its quantisation; return the JSON path."""
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(rec, indent=1))
     probed = defaultdict(dict)
@@ -191,11 +213,14 @@ def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
     for c in retrieval.run_cells(rec["passkey"]) if rec.get("passkey") else []:
         probed[c["length"]].update({f"passkey_{k}": c[v] for k, v in PASSKEY_CSV.items()})
     rows = {row["length"]: row for row in rec["results"]}
+    checkpoint = rec.get("pretrained") or {}
+    checkpoint = {"checkpoint": checkpoint.get("source"), "checkpoint_sha256": checkpoint.get("sha256"),
+                  "quantisation": checkpoint.get("quantisation")}
     with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
         for length in sorted(rows.keys() | probed.keys()):
-            w.writerow({**rec, "length": length, **rows.get(length, {}), **probed[length]})
+            w.writerow({**rec, **checkpoint, "length": length, **rows.get(length, {}), **probed[length]})
     return path
 
 

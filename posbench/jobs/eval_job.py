@@ -1,6 +1,9 @@
 """``posbench eval``'s job: a trained run's checkpoint scored again with other evaluation settings (and, optionally,
 other options of its scheme, e.g. ``scheme.scaling=yarn scheme.factor=16`` on a RoPE run, or a zero-shot temperature,
-``model.attn_scale=floor_log``: posbench/attention/temperature.py), written beside the run's results, never over them.
+``model.attn_scale=floor_log``: posbench/attention/temperature.py), written beside the run's results, never over them;
+or a pretrained checkpoint (``pretrained=``: posbench/model/pretrained.py) scored the same way, on the run config its
+own config makes (its block, sizes and RoPE as ``model.*`` and ``scheme.*``, its L as ``train.seq_len``, the default
+corpus tokenised with its tokenizer), its results in ``outputs/pretrained/<its name>``.
 
 :func:`prepare` does everything that can fail, once, before Hydra writes into the run folder: it reads the
 checkpoint, puts the job's settings into the run's config and finalizes it (the scheme's options resolved:
@@ -15,12 +18,14 @@ loads the trained weights into it (a misfit is refused). :func:`run` scores it a
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
 import sys
 from dataclasses import dataclass
 from functools import cached_property
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -31,13 +36,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from posbench.attention import remap as remapping
 from posbench.attention.temperature import BETA, ZERO_SHOT
 from posbench.config.checks import ConfigError, check_device, check_keys
+from posbench.config.resolvers import eval_dir
 from posbench.config.schema import EvalJobConfig, PosbenchConfig, finalize, scheme_schema, to_dict
 from posbench.config.upgrade import model_section
 from posbench.data import cache, needles
 from posbench.evaluation import context, passkey, results
 from posbench.evaluation.perplexity import evaluate
 from posbench.jobs.inputs import needle_of, prepare_data
-from posbench.model import build
+from posbench.jobs.overrides import CONFIG_MODULE
+from posbench.model import build, pretrained
 from posbench.runtime import dist
 from posbench.runtime.device import flush_denormals_from_now, resolve_device, set_threads
 from posbench.schemes import SCHEMES
@@ -46,6 +53,7 @@ from posbench.training import checkpoint
 log = logging.getLogger("posbench")
 TEMPERATURE_KEYS = ("attn_scale", "scale_length", "scale_beta", "scale_layers")  # model.* posbench eval may change
 TRAINED = ("log_n", "ssmax")  # temperatures the weights are trained with: never added or removed at evaluation
+SIZE_KEYS = ("block", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim")  # given only as they are
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,9 @@ class EvalJob:
 
     Attributes:
         config: the run's config with the job's ``eval.*`` and changed scheme options in place, finalized.
-        state: the run's checkpoint (``posbench.training.checkpoint.read``).
+        state: the run's checkpoint (``posbench.training.checkpoint.read``) without its weights; a pretrained
+            checkpoint's: ``{"config", "spec", "vocab_size", "pretrained"}``, the last what
+            ``posbench.model.pretrained.read`` says the checkpoint is.
         corpus: the run's corpus, its evaluation split checked against the lengths.
         model: the model, built with the changed options, the trained weights loaded, on the CPU; its ``remap`` the
             evaluation's training-free extension (``eval.remap``: posbench/attention/remap.py), or None.
@@ -77,7 +87,10 @@ class EvalJob:
     @cached_property
     def label(self) -> str:
         """The label of the model as evaluated (``rope+yarn×16``, ``rope+yarn×4 ft512×200``, ``rope (floor_log at
-        eval)``: ``posbench.evaluation.results.evaluation_label``): the console, the eval file's name, wandb, report rows."""
+        eval)``: ``posbench.evaluation.results.evaluation_label``; ``SmolLM2-135M-Instruct (yarn×4 at eval)``:
+        ``pretrained_label``): the console, the eval file's name, wandb, report rows."""
+        if "pretrained" in self.state:
+            return results.pretrained_label(self.state["pretrained"]["name"], to_dict(self.config), self.state["config"])
         return results.evaluation_label(to_dict(self.config), self.state["config"], self.state.get("lineage"))
 
 
@@ -85,39 +98,102 @@ def prepare(job: DictConfig) -> EvalJob:
     """The job of the composed ``posbench eval`` config ``job``.
 
     Raises:
-        ConfigError: a run folder without a readable checkpoint of a known format, evaluation settings the run
-            cannot serve (``posbench.config.schema.finalize``), a scheme option the run's scheme lacks (the message lists
-            its options), a value of the wrong type or one the scheme's ``resolve`` refuses, options with which the
-            checkpoint's weights no longer fit the model, a temperature that changes training (``log_n``,
-            ``ssmax``: given, or the run's own), or an evaluation split too short for the lengths.
+        ConfigError: neither or both of ``run`` and ``pretrained``, a run folder without a readable checkpoint of a
+            known format, a pretrained checkpoint posbench cannot read or rebuild
+            (``posbench.model.pretrained.PretrainedError``), a size (``model.n_head`` …) other than the model's own,
+            evaluation settings the run cannot serve (``posbench.config.schema.finalize``), a scheme option the run's
+            scheme lacks (the message lists its options), a value of the wrong type or one the scheme's ``resolve``
+            refuses, options with which the checkpoint's weights no longer fit the model, a temperature that changes
+            training (``log_n``, ``ssmax``: given, or the run's own), or an evaluation split too short for the lengths.
         posbench.data.cache.DataError: the run's corpus cannot be prepared.
     """
     check_keys(job, EvalJobConfig(), shown_by="posbench eval run=<run folder> --cfg job")
-    try:
-        state = checkpoint.read(Path(job.run) / checkpoint.NAME)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"run={job.run!r}: {e}") from None
     check_device("device", job.device)
+    if bool(job.run) == bool(job.pretrained):
+        raise ConfigError(("run=… and pretrained=… given together" if job.run else "nothing to evaluate") +
+                          ": posbench eval takes a trained run (run=<run folder>) or a pretrained checkpoint "
+                          "(pretrained=<Hugging Face model folder, Hub id or .gguf file>)")
     if job.eval.probe_every:
         raise ConfigError(f"eval.probe_every={job.eval.probe_every} probes during training; posbench eval probes once: "
                           "drop it")
-    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
-    cfg.eval = job.eval
+    source = job.run or job.pretrained
+    if job.run and job.data is not None:
+        raise ConfigError(f"data={job.data.get('name')}: posbench eval scores a run on its own corpus; data= is for "
+                          "pretrained= checkpoints")
+    cfg, state, tokenizer = _pretrained(job.pretrained, job.eval, job.data) if job.pretrained else \
+        _run(job.run, job.eval)
+    trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
+    model_options = to_dict(job.model) if job.get("model") else {}
+    _check_sizes({k: model_options.get(k) for k in SIZE_KEYS}, trained["model"], source)
     given = {k: v for k, v in to_dict(job.scheme).items() if v is not None} if isinstance(job.get("scheme"), DictConfig) else {}
     if given:
-        cfg.scheme = _changed_scheme(cfg.scheme, given, job.run)
-    temperature = {k: v for k, v in to_dict(job.model).items() if v is not None} if job.get("model") else {}
+        cfg.scheme = _changed_scheme(cfg.scheme, given, source)
+    temperature = {k: v for k, v in model_options.items() if v is not None and k not in SIZE_KEYS}
     if temperature:
-        _change_temperature(cfg.model, temperature, job.run)
+        _change_temperature(cfg.model, temperature, source)
     finalize(cfg, training=False)  # the job's own device is checked above; the run's train.device is history
-    trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"], to_dict(cfg.model), trained.get("model") or {})
     model = _trained_model(state, trained, overrides, {**{f"scheme.{k}": v for k, v in given.items()},
                                                        **{f"model.{k}": v for k, v in temperature.items()}})
+    state = {k: v for k, v in state.items() if k != "model"}  # (the weights are in the model now)
     model.remap = remapping.of(cfg.eval.remap, cfg.eval.remap_options)  # None, or every layer's remapped attention
-    corpus = prepare_data(cfg)
+    corpus = prepare_data(cfg, tokenizer)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
-    return EvalJob(cfg, state, corpus, model, overrides, Path(job.run), job.device, job.threads, needle)
+    return EvalJob(cfg, state, corpus, model, overrides, Path(eval_dir(job.run, job.pretrained)), job.device,
+                   job.threads, needle)
+
+
+def _run(run: str, eval_options: DictConfig) -> tuple[DictConfig, dict, None]:
+    """(the run's config, upgraded, on posbench's schema, with ``eval_options``; its checkpoint; None: its corpus's
+    own tokenizer)."""
+    try:
+        state = checkpoint.read(Path(run) / checkpoint.NAME)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"run={run!r}: {e}") from None
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
+    cfg.eval = eval_options
+    return cfg, state, None
+
+
+def _pretrained(source: str, eval_options: DictConfig, data: DictConfig | None):
+    """(the run config of the pretrained checkpoint ``source``, with ``eval_options`` and, where they give none, the
+    lengths L/4 … 4L of its L, on the corpus ``data`` (None: conf/data/shakespeare.yaml); its state ``{"config",
+    "spec", "vocab_size", "model", "pretrained"}``, as a run's checkpoint would hold them; its tokenizer). The config
+    and spec are finalized once as the checkpoint is, so that a scheme option given at evaluation is told from the
+    checkpoint's own. Raises ConfigError."""
+    try:
+        spec, weights, info = pretrained.read(source)
+        tokenizer = pretrained.tokenizer(source)
+    except pretrained.PretrainedError as e:
+        raise ConfigError(str(e)) from None
+    L = info["train_length"]
+    data = data if data is not None else OmegaConf.load(files(CONFIG_MODULE).joinpath("data", "shakespeare.yaml"))
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), {
+        "model": {**spec["model"], "name": info["name"]}, "scheme": spec["scheme"], "train": {"seq_len": L},
+        "data": data})
+    cfg.eval = eval_options
+    if cfg.eval.lengths is None:
+        cfg.eval.lengths = [L // 4, L // 2, L, 2 * L, 4 * L]
+    own = copy.deepcopy(cfg)
+    try:
+        finalize(own, training=False)
+    except ConfigError as e:
+        raise ConfigError(f"pretrained={source}: {e}") from None
+    state = {"config": to_dict(own), "spec": build.model_spec(to_dict(own), spec["vocab_size"]),
+             "vocab_size": spec["vocab_size"], "model": weights, "pretrained": info}
+    return cfg, state, tokenizer
+
+
+def _check_sizes(given: dict, trained: dict, source: str) -> None:
+    """Raise ConfigError for a size or block (``model.n_head=4`` …) that is not the trained model's own (``trained``:
+    its spec's model; a missing ``n_kv_head`` is ``n_head``, ``head_dim`` is ``d_model / n_head``)."""
+    own = {**trained, "block": trained.get("block", "gpt")}
+    own["n_kv_head"] = own.get("n_kv_head") or own["n_head"]
+    own["head_dim"] = own.get("head_dim") or own["d_model"] // own["n_head"]
+    for key, value in given.items():
+        if value is not None and value != own[key]:
+            raise ConfigError(f"model.{key}={value}: {source} has model.{key}={own[key]}; posbench eval scores the "
+                              "model as it was trained (its sizes and block are its own)")
 
 
 def run(job: EvalJob, progress=None) -> dict:
@@ -136,7 +212,7 @@ def run(job: EvalJob, progress=None) -> dict:
                  f" stride {e.stride}" if e.protocol == "sliding" else "", e.split,
                  f"at most {e.max_tokens} tokens" if e.max_tokens else "all of it", device, threads)
     extra = {f"{section}_overrides": changed for section, changed in job.overrides.items()}
-    extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens") if job.state.get(k)})  # a fine-tuned run's
+    extra.update({k: job.state[k] for k in ("lineage", "total_train_tokens", "pretrained") if job.state.get(k)})
     with _progress(job, progress) as progress:
         rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
                         e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
@@ -151,6 +227,7 @@ def run(job: EvalJob, progress=None) -> dict:
                          train_seconds=None, device=str(device), threads=threads, world_size=dist.world(),
                          scored_split=job.corpus.same_as.get(e.split, e.split), **extra)
     if dist.rank() == 0:
+        job.run_dir.mkdir(parents=True, exist_ok=True)  # (Hydra made it, unless run in process)
         stem = results.new_eval_stem(job.run_dir, rec["label"], e.protocol, e.split)
         try:
             path = results.write_results(job.run_dir, rec, stem)
@@ -202,7 +279,7 @@ def _changed_scheme(scheme: DictConfig, given: dict, run: str) -> DictConfig:
     allowed = SCHEMES[name].options() if name in SCHEMES else []
     for key, value in given.items():
         if key not in allowed:
-            raise ConfigError(f"scheme.{key}={value!r}: the run {run!r} has the {name} scheme, which has no option "
+            raise ConfigError(f"scheme.{key}={value!r}: {run} has the {name} scheme, which has no option "
                               f"{key!r}; its options: {', '.join(allowed) or 'none'}")
     try:
         return OmegaConf.merge(OmegaConf.structured(scheme_schema(name)), scheme, given)

@@ -43,8 +43,9 @@ def needle_of(cfg: DictConfig, corpus: cache.Corpus) -> needles.Needle | None:
     return needle
 
 
-def prepare_data(cfg: DictConfig) -> cache.Corpus:
-    """The corpus of ``cfg.data``, prepared into its cache (or read from it), with its splits checked.
+def prepare_data(cfg: DictConfig, tokenizer=None) -> cache.Corpus:
+    """The corpus of ``cfg.data``, prepared into its cache (or read from it), with its splits checked; tokenised with
+    ``tokenizer`` (a pretrained checkpoint's ``tokenizers.Tokenizer``) where given, else with its own BPE.
 
     Raises:
         posbench.data.cache.DataError: unusable data.
@@ -52,7 +53,7 @@ def prepare_data(cfg: DictConfig) -> cache.Corpus:
             gives its token count), or the train split is shorter than L + 2.
     """
     t, e = cfg.train, cfg.eval
-    corpus = cache.prepare(**to_dict(cfg.data))
+    corpus = cache.prepare(**to_dict(cfg.data), tokenizer=tokenizer)
     try:
         span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
     except ValueError as err:

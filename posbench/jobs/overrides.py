@@ -215,18 +215,23 @@ def default_groups(config_name: str) -> set[str]:
 
 def check_eval_overrides(overrides: list[str]) -> None:
     """Raise Refused for a ``posbench eval`` override that picks an option of one of training's config groups
-    (``scheme=alibi``, ``model=small``): an evaluation scores the run's trained model as it was built. An override
-    Hydra cannot parse is left to composition, which names it."""
+    (``scheme=alibi``, ``model=small``): an evaluation scores the run's trained model as it was built; the corpus
+    (``data=wikitext2``) is given only with ``pretrained=``. An override Hydra cannot parse is left to composition,
+    which names it."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:  # (composition names it)
         return
+    checkpoint = any(o.key_or_group == "pretrained" for o in parsed)
     for o in parsed:
         group = o.key_or_group.split("@")[0]
+        if group == "data" and checkpoint:  # a pretrained checkpoint is scored on the corpus given (its tokenizer's)
+            continue
         if group == "scheme":
-            raise Refused(f"{o.input_line}: the scheme cannot be changed by posbench eval (it scores the run's trained "
-                          "weights); it takes options of the run's scheme only, e.g. scheme.scaling=yarn "
-                          "scheme.factor=4 on a rotary run (see them with: posbench train scheme=<name> --cfg job)")
+            raise Refused(f"{o.input_line}: the scheme cannot be changed by posbench eval (it scores the trained "
+                          "weights of a run or checkpoint); it takes options of the run's or checkpoint's scheme only, "
+                          "e.g. scheme.scaling=yarn scheme.factor=4 on a rotary run (see them with: posbench train "
+                          "scheme=<name> --cfg job)")
         if group in TRAIN_GROUPS:
             raise Refused(f"{o.input_line}: the {group} cannot be changed by posbench eval (it scores the run's "
                           "trained model); it takes eval.*, device, threads and options of the run's scheme "

@@ -2,8 +2,9 @@
 read by transformers and rebuilt as posbench's own model (``model.block=llama``), so that every evaluation feature
 (lengths, protocols, probes, ``eval.remap``, scalings and temperatures given at evaluation) runs on it unchanged.
 
-    spec, state, source = read("HuggingFaceTB/SmolLM2-135M")        # or a folder, or a .gguf file
+    spec, state, info = read("HuggingFaceTB/SmolLM2-135M")          # or a folder, or a .gguf file
     model = load("path/to/checkpoint")                                # the posbench model, in eval mode
+    tok = tokenizer("path/to/checkpoint")                             # its tokenizers.Tokenizer
 
 transformers reads the checkpoint (its config, sharded safetensors or GGUF, dequantised to float32): a well-kept
 reader beats a hand-written one; posbench maps its config to a model spec (:func:`spec_of`) and its state dict to
@@ -13,11 +14,14 @@ posbench's parameter names (:func:`state_of`). The families: :data:`FAMILIES`. N
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import torch
 
 from posbench.attention.windows import expand_pattern
+from posbench.evaluation.results import checkpoint_name
 from posbench.model.build import build_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")  # config.json's model_type
@@ -32,30 +36,66 @@ def read(source: str) -> tuple[dict, dict, dict]:
     """(model spec, state dict in posbench's names, what the checkpoint is) of ``source``: a folder with a
     config.json, a Hub id in the local cache, or a ``.gguf`` file (dequantised to float32 by transformers).
 
-    The third item: ``{"source": …, "family": …, "train_length": L, "quantisation": …}``, L the checkpoint's
-    ``original_max_position_embeddings`` where its config scales RoPE, else ``max_position_embeddings``.
+    The third item: ``{"name": …, "source": …, "sha256": …, "family": …, "train_length": L, "quantisation": …}``:
+    the checkpoint's name (``posbench.evaluation.results.checkpoint_name``), the sha256 of its weights file (of the
+    files' names and sha256s where there are several), L the checkpoint's ``original_max_position_embeddings`` where its
+    config scales RoPE, else ``max_position_embeddings``; the quantisation a GGUF file's name says, else None.
     Raises PretrainedError: a path that does not exist, a folder without a config, a family outside :data:`FAMILIES`,
-    an option posbench's model lacks (see :func:`spec_of`), a Hub id not in the local cache (offline)."""
+    an option posbench's model lacks (see :func:`spec_of`), a Hub id not in the local cache (offline), a GGUF
+    quantisation transformers cannot dequantise."""
     import transformers  # (the hf extra: imported only where a checkpoint is read)
 
-    path = Path(source)
-    gguf = path.suffix == ".gguf"
-    if (gguf or source.startswith((".", "/", "~"))) and not path.expanduser().exists():
-        raise PretrainedError(f"pretrained={source}: no such file or folder")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise PretrainedError(f"pretrained={source}: the folder has no config.json; give a Hugging Face model folder, "
-                              "a Hub id or a .gguf file")
-    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} if gguf else \
-        {"pretrained_model_name_or_path": source}
+    transformers.utils.logging.disable_progress_bar()  # (its "Loading weights" bar: posbench logs what it reads)
+    where = _where(source)
     try:
         config = transformers.AutoConfig.from_pretrained(**where)
         spec = spec_of(config)  # refuses a family or option before any weight is read
         hf = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     except OSError as err:
-        raise PretrainedError(f"pretrained={source}: {str(err).splitlines()[0]}") from None
-    quant = _gguf_type(path) if gguf else None
-    info = {"source": source, "family": config.model_type, "train_length": _train_length(config), "quantisation": quant}
-    return spec, state_of(hf.state_dict(), spec), info
+        raise PretrainedError(f"pretrained={source}: {_first_line(err)}") from None
+    except (ValueError, NotImplementedError, KeyError) as err:  # a GGUF tensor type its reader cannot dequantise
+        raise PretrainedError(f"pretrained={source}: transformers cannot read it: {_first_line(err)}") from None
+    path = Path(source).expanduser()
+    info = {"name": checkpoint_name(source), "source": source, "sha256": weights_sha256(where),
+            "family": config.model_type, "train_length": _train_length(config),
+            "quantisation": _gguf_type(path) if path.suffix == ".gguf" else None}
+    state = state_of(hf.state_dict(), spec)
+    del hf  # (its tensors the state shares stay; the rest is freed before posbench's model is built)
+    return spec, state, info
+
+
+def tokenizer(source: str):
+    """The ``tokenizers.Tokenizer`` of the checkpoint ``source`` (as :func:`read` takes it), read by transformers
+    (a GGUF file's tokenizer is rebuilt from its metadata). Raises PretrainedError as :func:`read`, and for a
+    checkpoint without a tokenizer, or with one that has no fast (``tokenizers``) form."""
+    import transformers  # (the hf extra)
+
+    where = _where(source)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(**where)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise PretrainedError(f"pretrained={source}: no tokenizer beside the checkpoint that transformers can read "
+                              f"({_first_line(err)}); save the checkpoint's tokenizer with it (tokenizer.json)") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise PretrainedError(f"pretrained={source}: the checkpoint has no tokenizer (transformers found "
+                              f"{type(tok).__name__}); save its tokenizer beside it")
+    return backend
+
+
+def weights_sha256(where: dict) -> str:
+    """The sha256 of the weights of the checkpoint ``where`` (:func:`_where`): the GGUF file's, the one
+    ``*.safetensors`` or ``*.bin`` file's, or, for a sharded checkpoint, of its lines ``<file name> <sha256>``."""
+    folder = Path(where["pretrained_model_name_or_path"]).expanduser()
+    if not folder.is_dir():  # a Hub id: its snapshot in the local cache
+        from huggingface_hub import snapshot_download  # (the hf extra: transformers brings it)
+
+        folder = Path(snapshot_download(str(folder), local_files_only=True))
+    files = [folder / where["gguf_file"]] if "gguf_file" in where else \
+        sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    sums = [_file_sha256(f) for f in files]
+    return sums[0] if len(sums) == 1 else hashlib.sha256(
+        "".join(f"{f.name} {h}\n" for f, h in zip(files, sums)).encode()).hexdigest()
 
 
 def load(source: str, overrides: dict | None = None):
@@ -82,6 +122,9 @@ def spec_of(config) -> dict:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise PretrainedError(f"{family}: hidden_act={config.hidden_act!r}; posbench's SwiGLU uses silu")
     heads, width = config.num_attention_heads, config.hidden_size
+    if heads % config.num_key_value_heads:
+        raise PretrainedError(f"{family}: num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                              f"{config.num_key_value_heads}: each key/value head serves a whole group of query heads")
     head_dim = getattr(config, "head_dim", None) or width // heads
     model = {"block": "llama", "n_layer": config.num_hidden_layers, "n_head": heads, "d_model": width,
              "d_ff": config.intermediate_size, "n_kv_head": config.num_key_value_heads,
@@ -114,6 +157,42 @@ def state_of(hf_state: dict, spec: dict) -> dict:
             if f"{hf}{theirs}.weight" in hf_state:
                 out[f"{ours}{mine}.weight"] = hf_state[f"{hf}{theirs}.weight"]
     return out
+
+
+def _where(source: str) -> dict:
+    """transformers' ``from_pretrained`` arguments for ``source``; raises PretrainedError for a path that does not
+    exist and a folder without a config.json."""
+    path = Path(source).expanduser()
+    gguf = path.suffix == ".gguf"
+    if (gguf or source.startswith((".", "/", "~"))) and not path.exists():
+        raise PretrainedError(f"pretrained={source}: no such file or folder")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise PretrainedError(f"pretrained={source}: the folder has no config.json; give a Hugging Face model folder, "
+                              "a Hub id or a .gguf file")
+    if gguf:
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    if path.is_dir():
+        return {"pretrained_model_name_or_path": str(path)}
+    from huggingface_hub import try_to_load_from_cache  # (the hf extra: transformers brings it)
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", "off", "")
+    if offline and not isinstance(try_to_load_from_cache(source, "config.json"), str):
+        raise PretrainedError(f"pretrained={source}: no such folder, and no Hub model of that id in the local Hugging Face "
+                              "cache (HF_HUB_OFFLINE=1 keeps posbench off the Hub); download it once where there is "
+                              f"network (hf download {source}), or run with HF_HUB_OFFLINE=0")
+    return {"pretrained_model_name_or_path": source}
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _rope(config) -> dict:
