@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import eval_here, refused, snapshot  # noqa: E402
 from posbench.data.cache import train_tokenizer  # noqa: E402
 from posbench.data.corpora import _clean_markdown, shakespeare_plays  # noqa: E402
+from posbench.report.records import collect  # noqa: E402
 
 V, L = 300, 64  # vocabulary (a byte-level BPE's 256 bytes and some merges), the config's max_position_embeddings
 DATA = ("data=shakespeare", "data.max_train_tokens=4096")  # the default corpus, its train split cut (only the
@@ -107,6 +108,9 @@ def test_options_given_at_evaluation_are_in_the_label(tiny, tmp_path, monkeypatc
     assert remapped["config"]["eval"]["remap"] == "self_extend" and "scheme_overrides" not in remapped
     assert eval_here(*common)["label"] == "tiny-llama"
     assert len(list((tmp_path / "outputs" / "pretrained" / "tiny-llama").glob("eval-*.json"))) == 3
+    records, skipped = collect([tmp_path / "outputs" / "pretrained"])  # the report's rows: the checkpoint's labels
+    assert sorted(r["label"] for r in records) == ["tiny-llama", "tiny-llama (self_extend(W16,G4) at eval)",
+                                                   "tiny-llama (yarn×4 at eval)"] and not skipped
 
 
 def test_a_hub_id_in_the_local_cache_is_read_offline(tiny, tmp_path, monkeypatch, torch_state, data_cache):

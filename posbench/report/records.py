@@ -38,7 +38,8 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise ReportError(f"{str(folder)!r} is not a folder; give run or sweep folders")
-        runs = {p.parent.parent for p in folder.rglob(".hydra/config.yaml")} | {p.parent for p in folder.rglob("results.json")}
+        runs = {p.parent.parent for p in folder.rglob(".hydra/config.yaml")} | {p.parent for p in folder.rglob("results.json")} \
+            | {p.parent for p in folder.rglob("eval-*.json")}  # (a pretrained checkpoint's folder holds only these)
         for run in sorted(r for r in runs if SUPERSEDED not in r.relative_to(folder).parts):  # (asked for by name: kept)
             files, found = sorted([*run.glob("results.json"), *run.glob("eval-*.json")]), []
             if not files:
@@ -61,6 +62,8 @@ def collect(folders: list[Path]) -> tuple[list[dict], list[str]]:
                     continue
                 found.append(rec)
                 rec.update(path=str(path), hashes={config_sha256(rec["config"]), config_sha256(config)}, config=config)
+                if rec.get("pretrained"):  # its row: the checkpoint's name and what the evaluation applied
+                    rec["checkpoint_label"] = rec["label"]
             _mark_reevaluations(found)
             records += found
     if records:

@@ -37,7 +37,10 @@ def label_of(rec: dict) -> str:
     """A record's run label (:func:`posbench.evaluation.results.run_label`: ``rope+yarn×16``, ``rope+yarn×4 ft512×200``,
     ``rope@rerope(w16)``); a re-evaluation with other scheme options or a temperature (``applied``: set by
     posbench/report/records.py) names the run it was applied to, with its remap: ``rope (yarn×4 at eval)``,
-    ``rope@rerope(w16) (log_n_clipped at eval)``."""
+    ``rope@rerope(w16) (log_n_clipped at eval)``; a pretrained checkpoint's evaluation, its own label
+    (``SmolLM2-135M-Instruct (yarn×4 at eval)``: ``posbench.evaluation.results.pretrained_label``)."""
+    if rec.get("checkpoint_label"):
+        return rec["checkpoint_label"]
     if rec.get("applied"):
         return "{} ({} at eval)".format(*rec["applied"])
     return run_label(rec["config"], rec.get("lineage"))
