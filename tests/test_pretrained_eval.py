@@ -132,6 +132,29 @@ def test_a_hub_id_in_the_local_cache_is_read_offline(tiny, tmp_path, monkeypatch
     assert rec["pretrained"]["sha256"] == hashlib.sha256((tiny / "model.safetensors").read_bytes()).hexdigest()
 
 
+@pytest.mark.parametrize("case", ["llama_yarn", "llama_llama3", "mistral_window", "qwen2", "qwen3", "smollm3"])
+def test_the_evaluated_model_of_each_family_gives_transformers_logits(tmp_path, case, tiny, data_cache):
+    """The model ``posbench eval pretrained=`` scores (built from the run config the checkpoint's config becomes) gives
+    transformers' logits past the checkpoint's length, as tests/test_pretrained.py's model of its spec does."""
+    from hydra import compose, initialize_config_module
+
+    from posbench.cli import register
+    from posbench.jobs import eval_job
+    from test_pretrained import T, checkpoint
+
+    folder, hf = checkpoint(tmp_path, case)
+    transformers.AutoTokenizer.from_pretrained(tiny).save_pretrained(folder)  # (its corpus is prepared, not scored)
+    register()
+    with initialize_config_module("posbench.conf", version_base="1.3"):
+        cfg = compose("eval", overrides=[f"pretrained={folder}", *DATA, f"data.cache_dir={data_cache}",
+                                         "eval.lengths=[16]"])
+    model = eval_job.prepare(cfg).model.double()
+    ids = torch.randint(0, hf.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max(), (case, (ours - theirs).abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory, tiny) -> dict[str, Path]:
     """Checkpoints posbench refuses: a folder without a config, one of another family (GPT-2), one without a

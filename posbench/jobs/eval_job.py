@@ -174,11 +174,7 @@ def _pretrained(source: str, eval_options: DictConfig, data: DictConfig | None):
     cfg.eval = eval_options
     if cfg.eval.lengths is None:
         cfg.eval.lengths = [L // 4, L // 2, L, 2 * L, 4 * L]
-    own = copy.deepcopy(cfg)
-    try:
-        finalize(own, training=False)
-    except ConfigError as e:
-        raise ConfigError(f"pretrained={source}: {e}") from None
+    own = finalize(copy.deepcopy(cfg), training=False)
     state = {"config": to_dict(own), "spec": build.model_spec(to_dict(own), spec["vocab_size"]),
              "vocab_size": spec["vocab_size"], "model": weights, "pretrained": info}
     return cfg, state, tokenizer
