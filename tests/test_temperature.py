@@ -155,7 +155,8 @@ EVAL_REFUSALS = [
     (["model.attn_scale=log_n"], r"model.attn_scale=log_n changes training and cannot be applied after it; at "
                                  r"evaluation give one of: none, floor_log, floor_log_n, log_n_clipped"),
     (["model.attn_scale=floor_log", "model.scale_length=8"], r"model.scale_length=8 makes .* within the train length"),
-    (["+model.n_layer=2"], r"unknown config key 'model.n_layer'"),
+    (["model.n_layer=2"], r"model.n_layer=2: <run> has model.n_layer=4; posbench eval scores the model as it was "
+                          r"trained"),
 ]
 
 
