@@ -40,7 +40,7 @@ TIME_X = MEMORY_X = 1.2  # posbench's evaluation over transformers', at most
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a HF model folder, a Hub id in the local cache or a .gguf file")
-    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384], help="(none: the train step only)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="forwards per (model, length); the median is kept")
     p.add_argument("--steps", type=int, default=20, help="timed train steps per block")
@@ -137,7 +137,7 @@ def training(args) -> dict:
     for name, extra in blocks.items():
         torch.manual_seed(0)
         model = build_model({"vocab_size": 4096, "scheme": {"name": "rope"}, "model": {**tiny, **extra}}).train()
-        opt = make_optimizer(model, t)
+        opt = make_optimizer(model, t, fused=False)
         params[name] = sum(p.numel() for p in model.parameters())
 
         def step(model=model, opt=opt):
