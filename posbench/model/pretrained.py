@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from posbench.attention.windows import expand_pattern
+from posbench.data.corpora import file_sha256
 from posbench.evaluation.results import checkpoint_name
 from posbench.model.build import build_model
 
@@ -93,7 +94,7 @@ def weights_sha256(where: dict) -> str:
         folder = Path(snapshot_download(str(folder), local_files_only=True))
     files = [folder / where["gguf_file"]] if "gguf_file" in where else \
         sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    sums = [_file_sha256(f) for f in files]
+    sums = [file_sha256(f) for f in files]
     return sums[0] if len(sums) == 1 else hashlib.sha256(
         "".join(f"{f.name} {h}\n" for f, h in zip(files, sums)).encode()).hexdigest()
 
@@ -185,14 +186,6 @@ def _where(source: str) -> dict:
 
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _rope(config) -> dict:
