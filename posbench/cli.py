@@ -195,7 +195,7 @@ def _eval(cfg: DictConfig) -> None:
     with gpus.job_gpu(HydraConfig.get()):
         flex.reset_compiled()  # the previous job's kernels of this process (a sweep) count against Dynamo's limit
         try:
-            job = command.job_for(cfg, eval_job.prepare)
+            job = command.job_for(cfg, lambda c: eval_job.prepare(c, HydraConfig.get().run.dir))
         except (ConfigError, DataError) as e:
             fail(str(e))
         rec = eval_job.run(job)

@@ -121,8 +121,9 @@ def test_the_real_smollm2_gguf_gives_transformers_nll_on_1024_tokens():
 
     with open(path, "rb") as f:
         weights = hashlib.file_digest(f, "sha256").hexdigest()
-    assert info == {"name": "SmolLM2-135M-Instruct", "source": path, "sha256": weights, "family": "llama",
-                    "train_length": 8192, "quantisation": "Q4_1"}
+    assert info == {"name": "SmolLM2-135M-Instruct", "source": path, "family": "llama", "train_length": 8192,
+                    "quantisation": "Q4_1"}
+    assert pretrained.weights_sha256(path) == weights
     sizes = {k: spec["model"][k] for k in ("n_layer", "n_head", "n_kv_head", "d_model")}
     assert sizes == {"n_layer": 30, "n_head": 9, "n_kv_head": 3, "d_model": 576} and spec["scheme"]["base"] == 1e5
     model = build_model(spec)

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import eval_here, refused, snapshot  # noqa: E402
+from helpers import eval_here, ok, refused, snapshot  # noqa: E402
 from posbench.data.cache import train_tokenizer  # noqa: E402
 from posbench.data.corpora import _clean_markdown, shakespeare_plays  # noqa: E402
 from posbench.report.records import collect  # noqa: E402
@@ -113,6 +113,16 @@ def test_options_given_at_evaluation_are_in_the_label(tiny, tmp_path, monkeypatc
                                                    "tiny-llama (yarn×4 at eval)"] and not skipped
 
 
+def test_results_go_to_hydra_run_dir_where_given(tiny, run_cli, data_cache, tmp_path):
+    """``hydra.run.dir`` moves a pretrained checkpoint's results from outputs/pretrained/<name>, as it moves any Hydra
+    job's folder."""
+    ok(run_cli("eval", f"pretrained={tiny}", *DATA, f"data.cache_dir={data_cache}", "eval.lengths=[64]",
+               "eval.max_tokens=64", "threads=1", "hydra.run.dir=mine", cwd=tmp_path))
+    here = tmp_path
+    assert [p.name for p in (here / "mine").glob("eval-*.json")] == ["eval-tiny-llama-nonoverlapping-validation-1.json"]
+    assert not (here / "outputs").exists()
+
+
 def test_a_hub_id_in_the_local_cache_is_read_offline(tiny, tmp_path, monkeypatch, torch_state, data_cache):
     """The Hub cache's layout (models--<org>--<name>/snapshots/<commit>/, refs/main), made here, is what the Hub id is
     read from with HF_HUB_OFFLINE=1; the record names the id."""
@@ -165,7 +175,29 @@ def broken(tmp_path_factory, tiny) -> dict[str, Path]:
         root / "gpt2")
     save_checkpoint(root / "no-tokenizer", tokenizer=False)
     save_checkpoint(root / "heads", num_attention_heads=4, num_key_value_heads=3, hidden_size=48)
+    write_gguf(root / "tiny-Q8_1.gguf")
     return root
+
+
+def write_gguf(path: Path) -> None:
+    """A one-layer Llama GGUF file whose token embeddings are Q8_1 blocks (32 weights and their scale and sum in 40
+    bytes), a type the gguf package cannot dequantise; the rest float32."""
+    gguf = pytest.importorskip("gguf")
+    writer, rng = gguf.GGUFWriter(str(path), "llama"), torch.Generator().manual_seed(0)
+    writer.add_context_length(L), writer.add_embedding_length(32), writer.add_block_count(1)
+    writer.add_feed_forward_length(64), writer.add_head_count(4), writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(500.0), writer.add_layer_norm_rms_eps(1e-5), writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([bytes([i]).decode("latin-1") for i in range(256)]), writer.add_token_types([1] * 256)
+    writer.add_token_merges([]), writer.add_vocab_size(256)
+    blocks, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    writer.add_tensor("token_embd.weight", torch.zeros(256, 32 // blocks * size, dtype=torch.uint8).numpy(),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    shapes = {"output_norm": (32,), "blk.0.attn_norm": (32,), "blk.0.ffn_norm": (32,), "blk.0.attn_q": (32, 32),
+              "blk.0.attn_k": (16, 32), "blk.0.attn_v": (16, 32), "blk.0.attn_output": (32, 32),
+              "blk.0.ffn_gate": (64, 32), "blk.0.ffn_up": (64, 32), "blk.0.ffn_down": (32, 64)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", torch.randn(shape, generator=rng).numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
 
 
 REFUSALS = [  # (arguments, a part of the one line)
@@ -175,6 +207,7 @@ REFUSALS = [  # (arguments, a part of the one line)
     (["pretrained=<root>/gpt2"], "model_type 'gpt2' is not a family posbench rebuilds; the families: llama, mistral"),
     (["pretrained=<root>/no-tokenizer"], "no tokenizer"),
     (["pretrained=<root>/heads"], "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (["pretrained=<root>/tiny-Q8_1.gguf"], "transformers cannot read it: Dequantization for Q8_1 is not yet implemented"),
     (["pretrained=<tiny>", "scheme=alibi"], "scheme=alibi: the scheme cannot be changed by posbench eval"),
     (["pretrained=<tiny>", "model.n_head=8"], "model.n_head=8: <tiny> has model.n_head=4"),
     (["pretrained=<tiny>", "model.n_kv_head=1"], "model.n_kv_head=1: <tiny> has model.n_kv_head=2"),

@@ -145,6 +145,7 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
     Hydra's node popped first. A single training run's job carries the training state of its run folder; a sweep's
     jobs look theirs up in their Hydra tasks, once Hydra has named their folders (the folder here: the sweep's)."""
     with open_dict(cfg):
+        folder = cfg.hydra.run.dir if config_name == "eval" else None  # (resolved here, where ${run} is in reach)
         hydra_cfg = cfg.pop("hydra")
     key = key_of(cfg)
     preset = hydra_cfg.runtime.choices.get("experiment")
@@ -155,7 +156,7 @@ def prepare(config_name: str, cfg: DictConfig, multirun: bool):
         unpinned(hydra_cfg, preset if config_name == "train" else hydra_cfg.runtime.choices.get("eval_experiment"),
                  config_name)
     if config_name == "eval":
-        job = eval_job.prepare(cfg)
+        job = eval_job.prepare(cfg, folder)
         return key, job, job.run_dir
     folder = Path(os.path.abspath(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
     if not multirun and dist.rank() == 0:

@@ -94,8 +94,9 @@ class EvalJob:
         return results.evaluation_label(to_dict(self.config), self.state["config"], self.state.get("lineage"))
 
 
-def prepare(job: DictConfig) -> EvalJob:
-    """The job of the composed ``posbench eval`` config ``job``.
+def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
+    """The job of the composed ``posbench eval`` config ``job``, writing into ``run_dir`` (``hydra.run.dir``; None: its
+    default, the run's folder or ``outputs/pretrained/<the checkpoint's name>``).
 
     Raises:
         ConfigError: neither or both of ``run`` and ``pretrained``, a run folder without a readable checkpoint of a
@@ -139,7 +140,7 @@ def prepare(job: DictConfig) -> EvalJob:
     model.remap = remapping.of(cfg.eval.remap, cfg.eval.remap_options)  # None, or every layer's remapped attention
     corpus = prepare_data(cfg, tokenizer)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
-    return EvalJob(cfg, state, corpus, model, overrides, Path(eval_dir(job.run, job.pretrained)), job.device,
+    return EvalJob(cfg, state, corpus, model, overrides, Path(run_dir or eval_dir(job.run, job.pretrained)), job.device,
                    job.threads, needle)
 
 
@@ -163,6 +164,7 @@ def _pretrained(source: str, eval_options: DictConfig, data: DictConfig | None):
     checkpoint's own. Raises ConfigError."""
     try:
         spec, weights, info = pretrained.read(source)
+        info = {**info, "sha256": pretrained.weights_sha256(source)}  # the record names the weights it scored
         tokenizer = pretrained.tokenizer(source)
     except pretrained.PretrainedError as e:
         raise ConfigError(str(e)) from None

@@ -14,6 +14,8 @@ posbench's parameter names (:func:`state_of`). The families: :data:`FAMILIES`. N
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -37,10 +39,10 @@ def read(source: str) -> tuple[dict, dict, dict]:
     """(model spec, state dict in posbench's names, what the checkpoint is) of ``source``: a folder with a
     config.json, a Hub id in the local cache, or a ``.gguf`` file (dequantised to float32 by transformers).
 
-    The third item: ``{"name": …, "source": …, "sha256": …, "family": …, "train_length": L, "quantisation": …}``:
-    the checkpoint's name (``posbench.evaluation.results.checkpoint_name``), the sha256 of its weights file (of the
-    files' names and sha256s where there are several), L the checkpoint's ``original_max_position_embeddings`` where its
-    config scales RoPE, else ``max_position_embeddings``; the quantisation a GGUF file's name says, else None.
+    The third item: ``{"name": …, "source": …, "family": …, "train_length": L, "quantisation": …}``: the checkpoint's
+    name (``posbench.evaluation.results.checkpoint_name``), L the checkpoint's ``original_max_position_embeddings``
+    where its config scales RoPE, else ``max_position_embeddings``; the quantisation a GGUF file's name says, else
+    None (the weights' sha256, which a record names, is :func:`weights_sha256`'s: not read here, as loading needs none).
     Raises PretrainedError: a path that does not exist, a folder without a config, a family outside :data:`FAMILIES`,
     an option posbench's model lacks (see :func:`spec_of`), a Hub id not in the local cache (offline), a GGUF
     quantisation transformers cannot dequantise."""
@@ -51,14 +53,14 @@ def read(source: str) -> tuple[dict, dict, dict]:
     try:
         config = transformers.AutoConfig.from_pretrained(**where)
         spec = spec_of(config)  # refuses a family or option before any weight is read
-        hf = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        with _no_gguf_bar():
+            hf = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     except OSError as err:
         raise PretrainedError(f"pretrained={source}: {_first_line(err)}") from None
     except (ValueError, NotImplementedError, KeyError) as err:  # a GGUF tensor type its reader cannot dequantise
         raise PretrainedError(f"pretrained={source}: transformers cannot read it: {_first_line(err)}") from None
     path = Path(source).expanduser()
-    info = {"name": checkpoint_name(source), "source": source, "sha256": weights_sha256(where),
-            "family": config.model_type, "train_length": _train_length(config),
+    info = {"name": checkpoint_name(source), "source": source, "family": config.model_type, "train_length": _train_length(config),
             "quantisation": _gguf_type(path) if path.suffix == ".gguf" else None}
     state = state_of(hf.state_dict(), spec)
     del hf  # (its tensors the state shares stay; the rest is freed before posbench's model is built)
@@ -84,9 +86,11 @@ def tokenizer(source: str):
     return backend
 
 
-def weights_sha256(where: dict) -> str:
-    """The sha256 of the weights of the checkpoint ``where`` (:func:`_where`): the GGUF file's, the one
-    ``*.safetensors`` or ``*.bin`` file's, or, for a sharded checkpoint, of its lines ``<file name> <sha256>``."""
+def weights_sha256(source: str) -> str:
+    """The sha256 of the weights of the checkpoint ``source`` (as :func:`read` takes it): the GGUF file's, the one
+    ``*.safetensors`` or ``*.bin`` file's, or, for a sharded checkpoint, of its lines ``<file name> <sha256>``.
+    Raises PretrainedError as :func:`read` for a source that is not there."""
+    where = _where(source)
     folder = Path(where["pretrained_model_name_or_path"]).expanduser()
     if not folder.is_dir():  # a Hub id: its snapshot in the local cache
         from huggingface_hub import snapshot_download  # (the hf extra: transformers brings it)
@@ -182,6 +186,23 @@ def _where(source: str) -> dict:
                               "cache (HF_HUB_OFFLINE=1 keeps posbench off the Hub); download it once where there is "
                               f"network (hf download {source}), or run with HF_HUB_OFFLINE=0")
     return {"pretrained_model_name_or_path": source}
+
+
+@contextlib.contextmanager
+def _no_gguf_bar():
+    """transformers' GGUF reader draws its own tqdm bar on stderr, which ``disable_progress_bar`` does not reach:
+    silenced here (its module's ``tqdm`` name, where it has one)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def _first_line(err: BaseException) -> str:
