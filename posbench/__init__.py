@@ -27,15 +27,16 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     # the value checks, conf/'s resolvers; the evaluation's, remap's and model's checks; the schema and finalize; older records
     ("config", (("checks", "resolvers"), ("eval_checks", "model_checks"), ("schema",), ("upgrade",))),
     # the tied head and loss in one op, the attention layer and the blocks; the decoder; spec → model; the memory
-    # estimate, a pretrained checkpoint as a model
-    ("model", (("head", "blocks"), ("gpt",), ("build",), ("memory", "pretrained"))),
+    # estimate, a pretrained checkpoint as a model; a model as a Hugging Face one
+    ("model", (("head", "blocks"), ("gpt",), ("build",), ("memory", "pretrained"), ("export",))),
     # the optimizer, checkpoint files; init_from, training states; a prepared run; the loop
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
     # many runs: what plots write on their axes, how the records' settings differ and their rows; the plots, which
     # records; their numbers and series; the report
     ("report", (("axes", "settings"), ("plots", "records"), ("compare",), ("render",))),
-    # what a command line composes and runs: inputs and overrides; the train and eval jobs; every job of a command line
-    ("jobs", (("inputs", "overrides"), ("train_job", "eval_job"), ("command",))),
+    # what a command line composes and runs: inputs and overrides; the train, eval and export jobs; every job of a
+    # command line
+    ("jobs", (("inputs", "overrides"), ("train_job", "eval_job", "export_job"), ("command",))),
     # the command line, and python -m posbench
     ("", (("cli",), ("__main__",))),
 )

@@ -1,4 +1,4 @@
-"""The ``posbench`` command: ``posbench <train|eval|report> [Hydra overrides or options]``.
+"""The ``posbench`` command: ``posbench <train|eval|report|export> [Hydra overrides or options]``.
 
     posbench train scheme=alibi train.seq_len=64             # one run into outputs/<date>/<time>_alibi
     posbench train -m experiment=demo                        # the four-scheme sweep; a table at the end
@@ -6,6 +6,7 @@
     posbench eval run=outputs/…/alibi eval.protocol=sliding eval.stride=64   # re-evaluate, no retraining
     posbench eval pretrained=SmolLM2-135M-Instruct.Q4_1.gguf eval.remap=self_extend   # a pretrained checkpoint
     posbench report multirun/2026-11-21/10-00-00 [--out DIR]  # report.md, report.csv and plots
+    posbench export run=outputs/…/rope out=exported/rope       # a Llama-block run as a Hugging Face model folder
 
 Each of ``train`` and ``eval`` is one ``@hydra.main`` over the schemas this module stores in Hydra's ConfigStore
 (:func:`register`). Before Hydra starts, every job of the command line (each combination of a sweep, the
@@ -20,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import signal
 import sys
 import time
 from pathlib import Path
@@ -45,12 +44,12 @@ from posbench.config.checks import ConfigError
 from posbench.config.schema import PosbenchConfig, eval_schema, scheme_schema, to_dict
 from posbench.data.cache import DataError
 from posbench.evaluation import passkey
-from posbench.jobs import command, eval_job, overrides, train_job
+from posbench.jobs import command, eval_job, export_job, overrides, train_job
 from posbench.jobs.command import CONFIG_MODULE, writable
 from posbench.report import compare, render
 from posbench.report.records import ReportError
 from posbench.runtime import dist, gpus, runlock, sweep_stop  # (gpus registers ${posbench_gpus:})
-from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted, exit_status
+from posbench.runtime.signals import EXIT_INTERRUPTED, Interrupted
 from posbench.runtime.tracking import Tracker
 from posbench.schemes import SCHEMES
 from posbench.training.checkpoint import CheckpointError
@@ -65,6 +64,7 @@ commands:
   eval     re-evaluate a trained run               posbench eval run=<run folder> eval.protocol=sliding eval.stride=64
            or evaluate a pretrained checkpoint     posbench eval pretrained=<HF model folder | Hub id | .gguf file>
   report   tables and plots from runs              posbench report <folders...> [--out DIR]
+  export   a Llama-block run as a HF model folder  posbench export run=<run folder> out=<new folder>
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep, --cfg job to print the config."""
 
@@ -246,6 +246,13 @@ def _report(argv: list[str]) -> None:
     print(f"{table_text}\n\nreport: {(args.out or args.folders[0]) / 'report.md'}")
 
 
+def _export(argv: list[str]) -> None:
+    try:
+        print(f"exported: {export_job.export(**export_job.arguments(argv))}")
+    except ConfigError as e:
+        fail(str(e))
+
+
 COMMANDS = {"train": (_train, "train"), "eval": (_eval, "eval")}
 
 
@@ -271,43 +278,11 @@ def main(argv: list[str] | None = None) -> None:
         if sweep is not None:  # the second Ctrl-C of a sweep (joblib kills its jobs)
             sweep_stop.clear(sweep)
             said = (" again: the sweep quit at once, each job keeping its newest saved training state; "
-                    + resume_hint(argv, sweep))
+                    + command.resume_hint(argv, sweep))
         else:
             said = e.advice() if isinstance(e, Interrupted) else INTERRUPTED.get(argv[0] if argv else "", "")
         print(f"posbench: interrupted (Ctrl-C){said}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
-
-
-def resume_hint(argv: list[str], sweep: Path) -> str:
-    """How to resume the sweep in ``sweep`` that ``argv`` (``train -m …``) started: its command with hydra.sweep.dir."""
-    again = ["posbench", *(a for a in argv if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={sweep}"]
-    return ("to resume this sweep (each job from its training state, the finished ones skipped, the rest started), "
-            f"run the same command with hydra.sweep.dir: {shlex.join(again)}")
-
-
-def broken_sweep(argv: list[str], sweep: Path) -> None:
-    """After a sweep that ended in an error (Hydra's message above): name the jobs whose run folder still holds a lock
-    file, which a process that died left (a worker killed, out of memory, and the jobs joblib then killed with it),
-    and say how to resume the sweep."""
-    left = sorted(str(p.parent) for p in sweep.glob(f"*/{runlock.NAME}"))
-    if left:
-        print(f"posbench: a job's process died and joblib stopped the sweep's other jobs at once; the jobs that were "
-              f"running, each keeping its newest saved training state: {', '.join(left)}; {resume_hint(argv, sweep)}",
-              file=sys.stderr, flush=True)
-
-
-def stopped_sweep(argv: list[str]) -> None:
-    """After a sweep a signal stopped (posbench/runtime/sweep_stop.py): say so and how to resume it, and exit with the
-    signal's status (130 for Ctrl-C, 75 for SIGTERM)."""
-    sweep = sweep_stop.PARENT.sweep_dir
-    signum = sweep_stop.requested(sweep) if sweep is not None else None
-    if signum is None:
-        return
-    sweep_stop.clear(sweep)
-    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
-    print(f"posbench: {what}: the sweep's running jobs saved their training states and stopped, and no other job "
-          f"started; {resume_hint(argv, sweep)}", file=sys.stderr, flush=True)
-    raise Exit(exit_status(signum))
 
 
 def _main(argv: list[str]) -> None:
@@ -318,10 +293,10 @@ def _main(argv: list[str]) -> None:
         print(f"posbench {posbench.__version__}")
         return
     name, rest = argv[0], argv[1:]
-    if name == "report":
-        return _report(rest)
+    if name in ("report", "export"):
+        return (_report if name == "report" else _export)(rest)
     if name not in COMMANDS:
-        fail(f"unknown command {name!r}; choose one of: train, eval, report")
+        fail(f"unknown command {name!r}; choose one of: train, eval, report, export")
     task, config_name = COMMANDS[name]
     if name == "eval":
         try:
@@ -338,13 +313,15 @@ def _main(argv: list[str]) -> None:
         preflight(rest, config_name)
         os.environ.setdefault(gpus.LOCK_DIR_ENV, str(gpus.default_lock_dir()))  # one GPU lock folder for a sweep
         task()
-        stopped_sweep(argv)
+        status = command.stopped_sweep(argv)
+        if status is not None:
+            raise Exit(status)
     except Exit:  # a refused, failed or preempted run: every rank exits here with the same status
         dist.finish()
         raise
     except BaseException as e:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave
         dist.finish(together=False)  # without waiting for the others
         if isinstance(e, SystemExit) and sweep_stop.PARENT.sweep_dir is not None:
-            broken_sweep(argv, sweep_stop.PARENT.sweep_dir)
+            command.broken_sweep(argv, sweep_stop.PARENT.sweep_dir)
         raise
     dist.finish()

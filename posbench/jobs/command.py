@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import shlex
+import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,7 +38,8 @@ from posbench.config.schema import scheme_schema
 from posbench.data.cache import DataError
 from posbench.jobs import eval_job, train_job
 from posbench.jobs.overrides import CONFIG_MODULE, FINE_TUNES, Refused, bare, check_eval_overrides, one_line, slips
-from posbench.runtime import dist, runlock
+from posbench.runtime import dist, runlock, sweep_stop
+from posbench.runtime.signals import exit_status
 from posbench.training import lineage
 
 PREPARED: dict[str, object] = {}  # the composed job config (YAML) → its prepared job, made by prepare_all
@@ -264,3 +267,38 @@ def lock(run_dir: Path) -> None:
     message = dist.broadcast(take() if dist.rank() == 0 else "")
     if message:
         raise Refused(message)
+
+
+# ---- a sweep that stopped ------------------------------------------------------------------------------------
+
+
+def resume_hint(argv: list[str], sweep: Path) -> str:
+    """How to resume the sweep in ``sweep`` that ``argv`` (``train -m …``) started: its command with hydra.sweep.dir."""
+    again = ["posbench", *(a for a in argv if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={sweep}"]
+    return ("to resume this sweep (each job from its training state, the finished ones skipped, the rest started), "
+            f"run the same command with hydra.sweep.dir: {shlex.join(again)}")
+
+
+def broken_sweep(argv: list[str], sweep: Path) -> None:
+    """After a sweep that ended in an error (Hydra's message above): name the jobs whose run folder still holds a lock
+    file, which a process that died left (a worker killed, out of memory, and the jobs joblib then killed with it),
+    and say how to resume the sweep."""
+    left = sorted(str(p.parent) for p in sweep.glob(f"*/{runlock.NAME}"))
+    if left:
+        print(f"posbench: a job's process died and joblib stopped the sweep's other jobs at once; the jobs that were "
+              f"running, each keeping its newest saved training state: {', '.join(left)}; {resume_hint(argv, sweep)}",
+              file=sys.stderr, flush=True)
+
+
+def stopped_sweep(argv: list[str]) -> int | None:
+    """After a sweep a signal stopped (posbench/runtime/sweep_stop.py): say so and how to resume it, and return the
+    exit status of the signal (130 for Ctrl-C, 75 for SIGTERM); None when no signal stopped it."""
+    sweep = sweep_stop.PARENT.sweep_dir
+    signum = sweep_stop.requested(sweep) if sweep is not None else None
+    if signum is None:
+        return None
+    sweep_stop.clear(sweep)
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
+    print(f"posbench: {what}: the sweep's running jobs saved their training states and stopped, and no other job "
+          f"started; {resume_hint(argv, sweep)}", file=sys.stderr, flush=True)
+    return exit_status(signum)

@@ -28,6 +28,9 @@ from posbench.evaluation.results import checkpoint_name
 from posbench.model.build import build_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")  # config.json's model_type
+LAYER_NAMES = {"self_attn.o_proj": "attn.proj", "input_layernorm": "ln1", "post_attention_layernorm": "ln2",  # a layer's
+               "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",  # weights, theirs:
+               "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}  # ours (q, k, v join in qkv)
 ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn", "llama3": "llama3"}
 
 
@@ -151,14 +154,11 @@ def state_of(hf_state: dict, spec: dict) -> dict:
     m = spec["model"]
     out = {"tok.weight": hf_state["model.embed_tokens.weight"], "ln_f.weight": hf_state["model.norm.weight"]}
     out["head.weight"] = hf_state["model.embed_tokens.weight" if m["tie_head"] else "lm_head.weight"]
-    names = {"self_attn.o_proj": "attn.proj", "input_layernorm": "ln1", "post_attention_layernorm": "ln2",
-             "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",
-             "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
     for i in range(m["n_layer"]):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         for part in ("weight", "bias") if m["qkv_bias"] else ("weight",):
             out[f"{ours}attn.qkv.{part}"] = torch.cat([hf_state[f"{hf}self_attn.{p}_proj.{part}"] for p in "qkv"])
-        for theirs, mine in names.items():
+        for theirs, mine in LAYER_NAMES.items():
             if f"{hf}{theirs}.weight" in hf_state:
                 out[f"{ours}{mine}.weight"] = hf_state[f"{hf}{theirs}.weight"]
     return out
