@@ -192,7 +192,7 @@ def _where(source: str) -> dict:
 def _no_gguf_bar():
     """transformers' GGUF reader draws its own tqdm bar on stderr, which ``disable_progress_bar`` does not reach:
     silenced here (its module's ``tqdm`` name, where it has one)."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # (the hf extra)
 
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is None:
