@@ -9,7 +9,8 @@ single training run's folder lock (posbench/runtime/runlock.py); the command lin
 (posbench/jobs/overrides.py). The first bad job stops everything with :class:`Refused`,
 one line, before any folder is made or touched; the CLI (posbench/cli.py) prints it and exits 2. What preparing a
 job logs (a warning about a value, the options a fine-tune changes) is held, and logged when the job starts. Hydra's
-tasks then find their prepared job with :func:`job_for`.
+tasks then find their prepared job with :func:`job_for`. After a sweep that stopped (a signal, a worker that died),
+:func:`stopped_sweep` and :func:`broken_sweep` say how to resume it.
 
     prepare_all(["scheme=alibi", "train.seq_len=64"], "train")   # raises Refused
     job = job_for(cfg, train_job.prepare)                          # in Hydra's task: cfg is Hydra's composed config
