@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from posbench.attention.windows import expand_pattern
+from posbench.config.model_checks import global_name
 from posbench.model import build
 from posbench.model.pretrained import LAYER_NAMES, ROPE_TYPES, PretrainedError, spec_of
 
@@ -44,7 +45,7 @@ def hf_config(spec: dict, train_length: int, eos_token_id: int | None = None):
         raise ExportError(f"scheme={s['name']}: the families transformers runs position tokens by RoPE (and NoPE "
                           "layers beside RoPE ones, SmolLM3's); export takes scheme=rope runs")
     heads = m["n_head"]
-    nope = _global_name(m) == "nope"
+    nope = global_name(m) == ["nope"]
     family = "qwen3" if m["qk_norm"] == "rms" else "qwen2" if m["qkv_bias"] else "smollm3" if nope else \
         "mistral" if m["window"] else "llama"
     sizes = dict(vocab_size=spec["vocab_size"], hidden_size=m["d_model"], intermediate_size=m["d_ff"],
@@ -108,11 +109,6 @@ def _rope_parameters(scheme: dict) -> dict:
     if params["rope_type"] == "llama3":
         params.update(low_freq_factor=float(scheme["low_freq_factor"]), high_freq_factor=float(scheme["high_freq_factor"]))
     return params
-
-
-def _global_name(m: dict) -> str | None:
-    g = m.get("global_scheme")
-    return g.get("name") if isinstance(g, dict) else g
 
 
 def _rope_layers(m: dict) -> list[int]:
