@@ -19,7 +19,7 @@ from helpers import kept_torch_state, ok, refused, snapshot, train_here  # noqa:
 from posbench.model import build  # noqa: E402
 from posbench.training import checkpoint  # noqa: E402
 
-LLAMA = ("model.block=llama", "model.n_kv_head=2", "model.scale_embeddings=false", "model.tie_head=false", "scheme=rope")
+LLAMA = ("model.block=llama", "model.n_kv_head=2", "model.tie_head=false", "scheme=rope")  # (no √D: the block's own)
 L = 32  # debug=fast's train length
 
 

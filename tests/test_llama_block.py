@@ -85,7 +85,9 @@ def test_the_default_block_is_gpt_2_s_with_its_parameter_names():
     assert isinstance(model.blocks[0].ln1, torch.nn.LayerNorm) and isinstance(model.blocks[0].mlp[1], torch.nn.GELU)
 
 
-def test_the_llama_block_has_no_biases_and_its_residual_maps_start_smaller():
+def test_the_llama_block_has_no_biases_and_starts_as_llama():
+    """Llama's initialisation (transformers' ``initializer_range``): the maps into the residual stream start as every
+    other matrix, N(0, 0.02²), not GPT-2's 0.02/sqrt(2·n_layer); norm gains one."""
     torch.manual_seed(0)
     model = build_model({"vocab_size": V, "scheme": {"name": "rope"},
                          "model": {"block": "llama", "n_kv_head": 2, "n_layer": 8, "tie_head": False}})
@@ -93,7 +95,8 @@ def test_the_llama_block_has_no_biases_and_its_residual_maps_start_smaller():
     assert model.head.weight is not model.tok.weight
     block = model.blocks[0]
     assert block.attn.qkv.weight.shape == ((4 + 2 * 2) * 32, 128)
-    assert block.mlp.down.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 0.02 / sqrt(2 · 8 layers)
+    assert block.mlp.down.weight.std().item() == pytest.approx(0.02, rel=0.05)  # (GPT-2's: 0.02 / sqrt(2 · 8) = 0.005)
+    assert block.attn.proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert block.mlp.gate.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert all(torch.equal(n.weight, torch.ones(128)) for n in (block.ln1, block.ln2, model.ln_f))
 

@@ -2,7 +2,9 @@
 
 * after the same ``torch.manual_seed`` every parameter outside the scheme is bit-identical whichever scheme is
   built, and the learned table is drawn from a stream of its own (not a copy of another parameter's values);
-* token embeddings are multiplied by sqrt(D) for every scheme, before the scheme adds any positions;
+* token embeddings are multiplied by sqrt(D) for every scheme, before the scheme adds any positions, in the GPT
+  block; in the Llama block (``model.block=llama``) they are not, and its weights start as Llama's, none of them
+  scaled by depth, unless ``model.scale_embeddings`` says otherwise;
 * the model never depends on evaluation settings: two runs that differ only in ``eval.lengths`` train the
   same weights and log the same losses.
 """
@@ -18,7 +20,7 @@ from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from helpers import train_here
-from posbench.config.schema import PosbenchConfig, finalize
+from posbench.config.schema import PosbenchConfig, finalize, training_options
 from posbench.model.build import build_model, model_spec
 from posbench.schemes import SCHEMES, build_scheme
 
@@ -27,11 +29,13 @@ VOCAB = 61
 L = 16  # train length of the configs below; the learned table gets its default size
 
 
-def config(name: str, d_model: int = 32, scale_embeddings: bool | None = None) -> dict:
+def config(name: str, d_model: int = 32, scale_embeddings: bool | None = None, block: str = "gpt",
+           n_layer: int = 2) -> dict:
     """A resolved config (plain dict) as ``posbench train`` records it: the schema's defaults, a small model."""
     cfg = OmegaConf.structured(PosbenchConfig)
     cfg.scheme = {"name": name}
-    cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.d_ff = 2, 2, d_model, 2 * d_model
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.d_ff = n_layer, 2, d_model, 2 * d_model
+    cfg.model.block = block
     cfg.train.seq_len = L
     if scale_embeddings is not None:
         cfg.model.scale_embeddings = scale_embeddings
@@ -147,7 +151,39 @@ def test_scale_embeddings_false_leaves_every_scheme_unscaled(name):
 
 
 def test_the_recipe_is_the_default():
-    assert config("rope")["model"]["scale_embeddings"] is True
+    cfg = config("rope")
+    assert cfg["model"]["scale_embeddings"] is True
+    assert training_options(OmegaConf.structured(PosbenchConfig(model=OmegaConf.create(cfg["model"])))) == []
+
+
+@pytest.mark.parametrize("given, expected", [(None, False), (True, True), (False, False)])
+def test_the_llama_block_leaves_embeddings_unscaled_unless_told(given, expected):
+    """Llama's convention: x = E[idx], no sqrt(D) (transformers' LlamaModel); model.scale_embeddings=true restores it."""
+    cfg = config("nope", scale_embeddings=given, block="llama")
+    assert cfg["model"]["scale_embeddings"] is expected
+    torch.manual_seed(0)
+    model = build_model(model_spec(cfg, VOCAB)).eval()
+    idx = torch.randint(0, VOCAB, (1, L), generator=torch.Generator().manual_seed(2))
+    factor = math.sqrt(32) if expected else 1.0
+    assert_close(first_layer_input(model, idx), model.tok.weight.detach()[idx] * factor)
+    said = training_options(OmegaConf.structured(PosbenchConfig(model=OmegaConf.create(cfg["model"]))))
+    assert ("model.scale_embeddings=True" in said) is (given is True), said  # the first log line names a departure only
+
+
+@pytest.mark.parametrize("block", ["gpt", "llama"])
+def test_initialisation_is_the_blocks_own(block):
+    """GPT-2 (Radford et al. 2019, §2.3): the maps into the residual stream start N(0, (0.02/sqrt(2·n_layer))²), the
+    others N(0, 0.02²); Llama (transformers' ``initializer_range``): every matrix N(0, 0.02²). Sample standard
+    deviations of 10⁴–10⁵ draws, to 5%."""
+    n_layer = 8
+    torch.manual_seed(0)
+    model = build_model(model_spec(config("rope", d_model=128, block=block, n_layer=n_layer), VOCAB))
+    residual = 0.02 / math.sqrt(2 * n_layer) if block == "gpt" else 0.02
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            into_residual = name.endswith(("attn.proj.weight", "mlp.2.weight", "mlp.down.weight"))
+            want = residual if into_residual else 0.02
+            assert p.detach().std().item() == pytest.approx(want, rel=0.05), (name, p.std().item(), want)
 
 
 # ---- the model does not depend on evaluation settings ----------------------------------------------

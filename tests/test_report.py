@@ -444,10 +444,10 @@ def test_an_old_record_without_a_new_key_reads_its_default(tmp_path):
     new_cfg = config("rope", 1)
     new_cfg["model"]["scale_embeddings"] = not was
     write_run(root / "new", new_cfg)
-    write_run(root / "alibi", config("alibi", 0))  # format 2 without the key: the schema's default
+    write_run(root / "alibi", config("alibi", 0))  # format 2 without the key: the block's convention
     table_text, _, _ = render.write_report([root], root)
     label = "{}, model.scale_embeddings={}".format
-    default = json.dumps(schema.ModelConfig().scale_embeddings)
+    default = json.dumps(True)  # a GPT-block record without the key: the GPT block's convention, √D
     assert table_rows(table_text) == ["alibi", *(label("rope", json.dumps(v)) for v in sorted([was, not was]))], table_text
     assert legend_rows(table_text)["alibi"] == {"model.scale_embeddings": default}, table_text
     assert report_csv(root)[0]["setting"] == label("alibi", default)

@@ -20,12 +20,21 @@ from posbench.config.checks import ConfigError, positive
 from posbench.schemes import SCHEMES, PositionalScheme
 
 
+def embeddings_scaled(block: str, given: bool | None) -> bool:
+    """Whether token embeddings are multiplied by √D: ``given``, or where it is None the ``block``'s convention: yes in
+    the GPT block (posbench's recipe for every scheme, fairseq's ``embed_scale``: docs/design.md §2), no in the Llama
+    block (Touvron et al. 2023; transformers' LlamaModel embeds tokens unscaled)."""
+    return block == "gpt" if given is None else bool(given)
+
+
 def model_values(m: DictConfig, seq_len: int) -> None:
-    """``model.*``: sizes, heads that divide the width into even head dimensions (or an even ``model.head_dim``),
-    key/value heads that divide the query heads, a positive ``model.norm_eps``, dropouts in [0, 1), and the
-    temperature's options (posbench/attention/temperature.py): ``model.scale_length`` (filled: None → ``seq_len``, the length
-    the weights are trained at; ``seq_len`` + 1 for floor_log_n), a zero-shot temperature's 1 at every index below
-    ``seq_len``, ``model.scale_beta`` (> 0) and ``model.scale_layers`` only where they apply."""
+    """``model.*``: ``model.scale_embeddings`` filled (None → the block's: :func:`embeddings_scaled`), sizes, heads
+    that divide the width into even head dimensions (or an even ``model.head_dim``), key/value heads that divide the
+    query heads, a positive ``model.norm_eps``, dropouts in [0, 1), and the temperature's options
+    (posbench/attention/temperature.py): ``model.scale_length`` (filled: None → ``seq_len``, the length the weights are
+    trained at; ``seq_len`` + 1 for floor_log_n), a zero-shot temperature's 1 at every index below ``seq_len``,
+    ``model.scale_beta`` (> 0) and ``model.scale_layers`` only where they apply."""
+    m.scale_embeddings = embeddings_scaled(m.block, m.scale_embeddings)
     for key in ("n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim"):
         if m[key] is not None:  # (n_kv_head, head_dim: None = n_head, d_model / n_head)
             positive(f"model.{key}", m[key])

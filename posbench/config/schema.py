@@ -30,8 +30,6 @@ from posbench.evaluation import context, passkey
 from posbench.schemes import SCHEMES
 
 PROTOCOLS = ("nonoverlapping", "sliding")  # eval.protocol: posbench/evaluation/perplexity.py
-
-
 INIT_ROWS = ("scheme", "interpolate")  # init_rows: posbench/training/lineage.py
 SPLITS = ("validation", "test")
 SCHEDULES = ("cosine", "constant")  # train.schedule: posbench/training/loop.py lr_factor
@@ -51,7 +49,7 @@ class ModelConfig:
     d_ff: int = 512
     dropout: float = 0.0  # residual and embedding dropout, 0 <= p < 1
     attn_dropout: float = 0.0  # attention-probability dropout, 0 <= p < 1 (any > 0 moves bias schemes off Flex on CUDA)
-    scale_embeddings: bool = True  # token embeddings × sqrt(d_model) for every scheme (fairseq; docs/design.md §2)
+    scale_embeddings: Optional[bool] = None  # token embeddings × sqrt(D) for every scheme; None = the block's: gpt yes, llama no
     attn_scale: str = choices(*ATTN_SCALES, default="none")  # queries × a factor of their index (attention/temperature.py)
     scale_length: Optional[int] = None  # L of log_n, log_n_clipped; F of floor_log(_n); None = L (floor_log_n: L + 1)
     scale_beta: float = BETA  # β of floor_log and floor_log_n
@@ -336,7 +334,8 @@ def training_options(cfg: DictConfig) -> list[str]:
     regularisation and attention scale (``model.*``), probes during training (``eval.probe_every``) and a parent
     (``init_from``, ``init_rows``)."""
     out = []
-    for section, defaults in (("train", TrainConfig()), ("data", DataConfig()), ("model", ModelConfig())):
+    model = ModelConfig(scale_embeddings=model_checks.embeddings_scaled(cfg.model.block, None))  # the block's
+    for section, defaults in (("train", TrainConfig()), ("data", DataConfig()), ("model", model)):
         for key, value in to_dict(cfg[section]).items():
             if key not in SAID_ELSEWHERE[section] and value != getattr(defaults, key):
                 out.append(f"{section}.{key}={value}")

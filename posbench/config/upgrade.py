@@ -16,7 +16,9 @@ Every key a record lacks reads as its default, except where the default would mi
   ``frequent``;
 * a recorded model section (a config's or a spec's) without ``attn_dropout`` was written when ``model.dropout`` drove
   the attention dropout too: its ``attn_dropout`` reads as its ``dropout``, so that the rebuilt model, and a resumed
-  run, trains as it did (resuming it with today's ``attn_dropout`` default, 0, is refused as a changed key).
+  run, trains as it did (resuming it with today's ``attn_dropout`` default, 0, is refused as a changed key);
+* a model section without ``scale_embeddings`` (or with None) reads as its block's convention, ×√D in the GPT block
+  and not in the Llama block (``posbench.config.model_checks.embeddings_scaled``), as it was trained.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import dataclasses
 from omegaconf import OmegaConf
 
 from posbench.config.checks import ConfigError
+from posbench.config.model_checks import embeddings_scaled
 from posbench.config.schema import DEFAULT_SCHEME, ModelConfig, PosbenchConfig, scheme_schema, to_dict
 from posbench.schemes import SCHEMES
 
@@ -68,6 +71,7 @@ def model_section(model: dict) -> dict:
     section = {**defaults, "attn_dropout": model.get("dropout", defaults["dropout"]), **model}
     if isinstance(section["global_scheme"], str):  # a global scheme by name: its section
         section["global_scheme"] = {"name": section["global_scheme"]}
+    section["scale_embeddings"] = embeddings_scaled(section["block"], section["scale_embeddings"])
     return section
 
 
@@ -92,6 +96,8 @@ def upgrade(config: dict, fmt: int | None = None) -> dict:
     try:
         base = OmegaConf.structured(PosbenchConfig)
         base.scheme = OmegaConf.structured(scheme_schema(scheme["name"]))
-        return to_dict(OmegaConf.merge(base, config))
+        out = to_dict(OmegaConf.merge(base, config))
     except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors, of many kinds
         raise ConfigError(f"a recorded config does not fit this posbench's schema: {str(e).splitlines()[0]}") from None
+    out["model"]["scale_embeddings"] = embeddings_scaled(out["model"]["block"], out["model"]["scale_embeddings"])
+    return out

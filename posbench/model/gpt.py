@@ -2,9 +2,10 @@
 the default) or Llama's (pre-RMSNorm, SwiGLU; posbench/model/blocks.py), with grouped-query attention and a tied or
 untied head.
 
-One recipe for every scheme (docs/design.md §2), so that a comparison differs in positions only: token
-embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the
-code of the ALiBi paper; Vaswani et al. 2017, §3.4), weights start as in GPT-2, and the head is tied.
+One recipe for every scheme (docs/design.md §2), so that a comparison differs in positions only. In the GPT block,
+token embeddings are multiplied by sqrt(D) before the scheme adds any positions (fairseq's ``embed_scale``, the code
+of the ALiBi paper; Vaswani et al. 2017, §3.4) and weights start as in GPT-2; in the Llama block, as in Llama, the
+embeddings are not scaled and every weight starts N(0, 0.02²). The head is tied in both.
 
 The positional scheme is a module handed in at construction (one shared by every layer, or one per layer for a
 scheme built that way); the model calls its hooks (``embed``, ``rotation``/``rotate``, ``score_mod``; see
@@ -37,6 +38,7 @@ from torch import nn
 
 from posbench.attention import dispatch, temperature
 from posbench.attention.windows import Window, expand_pattern
+from posbench.config.model_checks import embeddings_scaled
 from posbench.config.schema import BLOCKS
 from posbench.model import head
 from posbench.model.blocks import QK_NORM_EPS, Block, LlamaBlock, final_norm
@@ -80,8 +82,9 @@ class GPT(nn.Module):
             rotation, RoPE's or p-RoPE's, which keeps each head's norm, it equals Llama 4's norm after the rotation).
         attn_sink: a learned logit per head and layer joins every softmax's denominator and is dropped
             (GPT-OSS's attention sinks; Xiao et al. 2023's sink as a parameter), initialised N(0, :data:`SINK_STD`²).
-        scale_embeddings: multiply token embeddings by sqrt(D) (True, the recipe for every scheme; False is
-            GPT-2's and nanoGPT's choice, kept so that models trained that way can be rebuilt).
+        scale_embeddings: multiply token embeddings by sqrt(D); None: the block's convention
+            (``posbench.config.model_checks.embeddings_scaled``: yes in the GPT block, posbench's recipe for every
+            scheme; no in the Llama block, Llama's). False in the GPT block is GPT-2's and nanoGPT's choice.
         attn_scale: length-dependent attention scaling, a factor on each query (``temperature.factor``), so on its
             logits q·k/√Dh (a ``score_mod`` bias is not scaled; CoPE's gates and position term, made from q, are),
             a function of the query's index t in the window, n = t + 1 the keys it sees (causal by index, whatever
@@ -107,14 +110,16 @@ class GPT(nn.Module):
             ``scale_layers=global`` but for a zero-shot temperature on a pattern with L and G layers; ``attn_dropout``
             outside [0, 1).
 
-    Initialisation follows GPT-2 (Radford et al. 2019) in either block: N(0, 0.02), residual projections (the
-    attention's ``proj``, the MLP's last map) scaled by 1/sqrt(2·n_layer), biases zero, norm gains one. The scheme's
+    Initialisation follows the block's model: GPT-2's (Radford et al. 2019, §2.3) in the GPT block, N(0, 0.02²) with
+    the residual projections (the attention's ``proj``, the MLP's last map) scaled by 1/sqrt(2·n_layer); Llama's in
+    the Llama block (transformers' LlamaPreTrainedModel, ``initializer_range`` 0.02), N(0, 0.02²) for every matrix and
+    embedding, none scaled. In both, biases zero and norm gains one. The scheme's
     own parameters keep the initialisation it gave them; attention sinks are drawn last, so every other weight is the
     one a model without them draws.
     """
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, d_model: int, d_ff: int,
-                 scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool = True,
+                 scheme: PositionalScheme | list[PositionalScheme], dropout: float = 0.0, scale_embeddings: bool | None = None,
                  attn_scale: str = "none", scale_length: int | None = None, scale_beta: float = temperature.BETA,
                  scale_layers: str = "all", attn_dropout: float = 0.0,
                  global_scheme: PositionalScheme | list[PositionalScheme] | None = None, layer_pattern: str = "G",
@@ -164,7 +169,7 @@ class GPT(nn.Module):
         self.attn_scale, self.scale_length, self.scale_beta = attn_scale, scale_length, scale_beta
         self.remap = None  # an evaluation's training-free extension (posbench/attention/remap.py), set after the model is built
         self.scaled = [attn_scale != "none" and (scale_layers == "all" or kind == "G") for kind in kinds]  # per layer
-        self.embed_scale = math.sqrt(d_model) if scale_embeddings else 1.0
+        self.embed_scale = math.sqrt(d_model) if embeddings_scaled(block, scale_embeddings) else 1.0
         self.tok = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
         kind = Block if block == "gpt" else LlamaBlock
@@ -177,7 +182,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_head:
             self.head.weight = self.tok.weight  # tied input and output embeddings
-        residual = ("proj.weight", "mlp.2.weight", "mlp.down.weight")  # the maps that write into the residual stream
+        residual = ("proj.weight", "mlp.2.weight") if block == "gpt" else ()  # GPT-2's scaled maps into the residual
         for name, p in self.named_parameters():
             if name.startswith(("scheme.", "global_scheme.")) or name.endswith(".ssmax"):
                 continue
