@@ -87,6 +87,7 @@ class DataConfig:
     tokenizer_train_chars: Optional[int] = None  # train the BPE on the first N characters of train (None = all)
     max_train_docs: Optional[int] = None  # keep the first N train documents (None = all; PG-19 streams them)
     max_train_tokens: Optional[int] = None  # stop the train split after N tokens (None = all)
+    tokenizer: Optional[str] = None  # a pretrained checkpoint's tokenizer (init_from=<checkpoint> sets it); None: own BPE
     passkey_rate: float = 0.0  # fraction of training windows given needle + query pairs (data/needles.py); 0 = none
     passkey_pairs: int = 1  # needle + query pairs per needled window, each its own key (several: log-uniform distances)
     copy_rate: float = 0.0  # fraction of training windows made [span, separator, same span] at step 0; 0 = none

@@ -68,7 +68,8 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     (:func:`posbench.schemes.variant_label`: ``rope``, ``rope+yarn×4``), then, for a run started from a parent's
     weights (``lineage``: posbench/training/lineage.py), what it did from there: ``ft<L>×<steps>`` (fine-tuned at length L
     for that many steps; ×0: the parent's weights evaluated as they are), and the parent's scheme when it changed
-    (``rope→nope ft512×200``). ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``).
+    (``rope→nope ft512×200``), after the name of a pretrained parent (``SmolLM2-135M rope+yarn×4 ft32768×200``).
+    ``steps=False`` leaves the step count out: the method (``rope+yarn×4 ft512``).
     Hybrid layers follow the scheme's label (:func:`layers_label`: ``rope+LLLG(w32, G=nope)``), then training-side
     tricks: randomized positions (``+rand<M>``, ``train.random_positions``), PoSE (``+pose<L_t>``, ``train.pose``)
     and length-dependent attention scaling (``+log_n``, ``+ssmax``, ``model.attn_scale``): ``alibi+rand1024``; last, an
@@ -77,7 +78,8 @@ def run_label(config: dict, lineage: dict | None = None, steps: bool = True) -> 
     if not lineage:
         return label
     changed = f"{lineage['scheme']}→" if lineage.get("scheme") not in (None, config["scheme"]["name"]) else ""
-    return f"{changed}{label} ft{config['train']['seq_len']}" + (f"×{config['train']['steps']}" if steps else "")
+    origin = f"{lineage['pretrained']['name']} " if lineage.get("pretrained") else ""  # a pretrained checkpoint's
+    return f"{origin}{changed}{label} ft{config['train']['seq_len']}" + (f"×{config['train']['steps']}" if steps else "")
 
 
 def applied(config: dict, trained: dict, lineage: dict | None = None) -> tuple[str, str] | None:

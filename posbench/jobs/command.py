@@ -87,7 +87,7 @@ def inherit(overrides: list[str]) -> None:
         store.store(group="scheme", name=PARENT_SCHEME, node=scheme_schema(t["scheme"]["name"])(**t["scheme"]))
         store.store(group=PARENT_GROUP, name="init", package="_global_", node={
             "defaults": [{"override /scheme": PARENT_SCHEME}], "train": {"seq_len": t["seq_len"]},
-            **({"model": t["model"]} if t.get("model") else {})})
+            **({"model": t["model"]} if t.get("model") else {}), **({"data": t["data"]} if t.get("data") else {})})
 
 
 def expand(overrides: list[str], multirun: bool, config_name: str) -> list[list[str]]:

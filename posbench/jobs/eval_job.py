@@ -121,8 +121,7 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
     if job.run and job.data is not None:
         raise ConfigError(f"data={job.data.get('name')}: posbench eval scores a run on its own corpus; data= is for "
                           "pretrained= checkpoints")
-    cfg, state, tokenizer = _pretrained(job.pretrained, job.eval, job.data) if job.pretrained else \
-        _run(job.run, job.eval)
+    cfg, state = _pretrained(job.pretrained, job.eval, job.data) if job.pretrained else _run(job.run, job.eval)
     trained = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
     model_options = to_dict(job.model) if job.get("model") else {}
     _check_sizes({k: model_options.get(k) for k in SIZE_KEYS}, trained["model"], source)
@@ -138,48 +137,42 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
                                                        **{f"model.{k}": v for k, v in temperature.items()}})
     state = {k: v for k, v in state.items() if k != "model"}  # (the weights are in the model now)
     model.remap = remapping.of(cfg.eval.remap, cfg.eval.remap_options)  # None, or every layer's remapped attention
-    corpus = prepare_data(cfg, tokenizer)
+    corpus = prepare_data(cfg)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
     return EvalJob(cfg, state, corpus, model, overrides, Path(run_dir or eval_dir(job.run, job.pretrained)), job.device,
                    job.threads, needle)
 
 
-def _run(run: str, eval_options: DictConfig) -> tuple[DictConfig, dict, None]:
-    """(the run's config, upgraded, on posbench's schema, with ``eval_options``; its checkpoint; None: its corpus's
-    own tokenizer)."""
+def _run(run: str, eval_options: DictConfig) -> tuple[DictConfig, dict]:
+    """(the run's config, upgraded, on posbench's schema, with ``eval_options``; its checkpoint)."""
     try:
         state = checkpoint.read(Path(run) / checkpoint.NAME)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"run={run!r}: {e}") from None
     cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), state["config"])  # read() upgraded it
     cfg.eval = eval_options
-    return cfg, state, None
+    return cfg, state
 
 
 def _pretrained(source: str, eval_options: DictConfig, data: DictConfig | None):
-    """(the run config of the pretrained checkpoint ``source``, with ``eval_options`` and, where they give none, the
-    lengths L/4 … 4L of its L, on the corpus ``data`` (None: conf/data/shakespeare.yaml); its state ``{"config",
-    "spec", "vocab_size", "model", "pretrained"}``, as a run's checkpoint would hold them; its tokenizer). The config
-    and spec are finalized once as the checkpoint is, so that a scheme option given at evaluation is told from the
-    checkpoint's own. Raises ConfigError."""
+    """(the run config of the pretrained checkpoint ``source`` (``posbench.model.pretrained.as_run``), with
+    ``eval_options`` and, where they give none, the lengths L/4 … 4L of its L, on the corpus ``data`` (None:
+    conf/data/shakespeare.yaml) tokenised by its tokenizer; its state ``{"config", "spec", "vocab_size", "model",
+    "pretrained"}``, as a run's checkpoint would hold them). The config and spec are finalized once as the checkpoint
+    is, so that a scheme option given at evaluation is told from the checkpoint's own. Raises ConfigError."""
     try:
-        spec, weights, info = pretrained.read(source)
-        info = {**info, "sha256": pretrained.weights_sha256(source)}  # the record names the weights it scored
-        tokenizer = pretrained.tokenizer(source)
+        config, state = pretrained.as_run(source)
     except pretrained.PretrainedError as e:
         raise ConfigError(str(e)) from None
-    L = info["train_length"]
+    L = config["train"]["seq_len"]
     data = data if data is not None else OmegaConf.load(files(CONFIG_MODULE).joinpath("data", "shakespeare.yaml"))
-    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), {
-        "model": {**spec["model"], "name": info["name"]}, "scheme": spec["scheme"], "train": {"seq_len": L},
-        "data": data})
+    cfg = OmegaConf.merge(OmegaConf.structured(PosbenchConfig), {"data": data}, config)
     cfg.eval = eval_options
     if cfg.eval.lengths is None:
         cfg.eval.lengths = [L // 4, L // 2, L, 2 * L, 4 * L]
     own = finalize(copy.deepcopy(cfg), training=False)
-    state = {"config": to_dict(own), "spec": build.model_spec(to_dict(own), spec["vocab_size"]),
-             "vocab_size": spec["vocab_size"], "model": weights, "pretrained": info}
-    return cfg, state, tokenizer
+    state.update(config=to_dict(own), spec=build.model_spec(to_dict(own), state["vocab_size"]))
+    return cfg, state
 
 
 def _check_sizes(given: dict, trained: dict, source: str) -> None:

@@ -15,6 +15,7 @@ from posbench.config.schema import to_dict
 from posbench.data import cache, needles
 from posbench.evaluation import passkey
 from posbench.evaluation.perplexity import span
+from posbench.model import pretrained
 
 
 def needle_of(cfg: DictConfig, corpus: cache.Corpus) -> needles.Needle | None:
@@ -43,17 +44,24 @@ def needle_of(cfg: DictConfig, corpus: cache.Corpus) -> needles.Needle | None:
     return needle
 
 
-def prepare_data(cfg: DictConfig, tokenizer=None) -> cache.Corpus:
+def prepare_data(cfg: DictConfig) -> cache.Corpus:
     """The corpus of ``cfg.data``, prepared into its cache (or read from it), with its splits checked; tokenised with
-    ``tokenizer`` (a pretrained checkpoint's ``tokenizers.Tokenizer``) where given, else with its own BPE.
+    the tokenizer of the pretrained checkpoint ``data.tokenizer`` names (posbench/model/pretrained.py) where it names
+    one, else with its own BPE.
 
     Raises:
         posbench.data.cache.DataError: unusable data.
         ConfigError: the evaluation split is shorter than the longest evaluation length (the message
-            gives its token count), or the train split is shorter than L + 2.
+            gives its token count), the train split is shorter than L + 2, or ``data.tokenizer`` names no checkpoint
+            with a tokenizer.
     """
-    t, e = cfg.train, cfg.eval
-    corpus = cache.prepare(**to_dict(cfg.data), tokenizer=tokenizer)
+    t, e, data = cfg.train, cfg.eval, to_dict(cfg.data)
+    source = data.pop("tokenizer")
+    try:
+        tokenizer = pretrained.tokenizer(source) if source else None
+    except pretrained.PretrainedError as err:
+        raise ConfigError(str(err).replace(f"pretrained={source}", f"data.tokenizer={source}", 1)) from None
+    corpus = cache.prepare(**data, tokenizer=tokenizer)
     try:
         span(len(corpus.tokens[e.split]), list(e.lengths), e.max_tokens)
     except ValueError as err:

@@ -53,7 +53,9 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
         log.info("init_from=%s: %s", cfg.init_from, f"the options that differ from the parent's: {', '.join(changed)}"
                  if changed else "no option differs from the parent's")
     corpus = prepare_data(cfg)
-    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), corpus.vocab_size), parent=parent, needle=needle_of(cfg, corpus))
+    # a pretrained parent's embedding rows, which may outnumber its tokenizer's tokens (Qwen's), else the corpus's
+    vocab = parent.state["vocab_size"] if parent and parent.pretrained else corpus.vocab_size
+    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), vocab), parent=parent, needle=needle_of(cfg, corpus))
     if parent:
         lineage.check(cfg, parent, job.spec, corpus.tokenizer_path)
     if not _on_cuda(job):  # a GPU's free memory is read in the process that trains, on its own GPU: in_folder

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -36,6 +37,18 @@ ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic_ntk", "
 
 class PretrainedError(ValueError):
     """A checkpoint posbench cannot read or rebuild; the message is one line that says why and what is allowed."""
+
+
+def is_checkpoint(source: str) -> bool:
+    """Whether ``source`` names a pretrained checkpoint (as :func:`read` takes it) rather than a posbench run: a
+    ``.gguf`` file, a folder with a config.json and no posbench checkpoint.pt, or, where no such path exists, a Hub
+    id (``org/name``)."""
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        return True
+    if path.exists():
+        return path.is_dir() and (path / "config.json").is_file() and not (path / "checkpoint.pt").exists()
+    return re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) is not None
 
 
 def read(source: str) -> tuple[dict, dict, dict]:
@@ -104,6 +117,20 @@ def weights_sha256(source: str) -> str:
     sums = [file_sha256(f) for f in files]
     return sums[0] if len(sums) == 1 else hashlib.sha256(
         "".join(f"{f.name} {h}\n" for f, h in zip(files, sums)).encode()).hexdigest()
+
+
+def as_run(source: str) -> tuple[dict, dict]:
+    """The checkpoint ``source`` (as :func:`read` takes it) as a posbench run would record it: (a partial config:
+    ``model`` with its name, ``scheme``, ``train.seq_len`` = its L, ``data.tokenizer`` = ``source`` and
+    ``data.vocab_size`` its tokenizer's; the state: ``spec``, ``vocab_size`` (the embedding rows), ``model`` (the
+    weights) and ``pretrained``, :func:`read`'s info with the weights' ``sha256``). Raises PretrainedError as
+    :func:`read` and :func:`tokenizer`."""
+    spec, weights, info = read(source)
+    size = tokenizer(source).get_vocab_size()
+    info = {**info, "sha256": weights_sha256(source)}  # a record names the weights it started from or scored
+    config = {"model": {**spec["model"], "name": info["name"]}, "scheme": spec["scheme"],
+              "train": {"seq_len": info["train_length"]}, "data": {"tokenizer": source, "vocab_size": size}}
+    return config, {"spec": spec, "vocab_size": spec["vocab_size"], "model": weights, "pretrained": info}
 
 
 def load(source: str, overrides: dict | None = None):

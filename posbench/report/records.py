@@ -128,12 +128,18 @@ def _dedupe(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[s
 def _find_parents(records: list[dict]) -> None:
     """Set ``parent`` on each fine-tuned record (``lineage``: posbench/training/lineage.py): the ``setting`` of its
     parent's record, the one whose config has the hash the lineage records (``config_sha256``), wherever the pair of
-    runs now lies; without one, the training record (``results.json``) in the folder the lineage records; else None."""
+    runs now lies; without one, the training record (``results.json``) in the folder the lineage records; for a
+    pretrained parent (``lineage.pretrained``), the newest ``posbench eval pretrained=`` record of the same weights (their
+    sha256) that changed nothing at evaluation; else None."""
     by_hash = {h: r for r in sorted(records, key=lambda r: r["path"], reverse=True) for h in r["hashes"]}  # first by path
     by_folder = {Path(r["path"]).resolve().parent: r for r in records if Path(r["path"]).name == "results.json"}
+    by_weights = {r["pretrained"].get("sha256"): r for r in sorted(records, key=written) if r.get("pretrained") and not (
+        r.get("scheme_overrides") or r.get("model_overrides") or r["config"]["eval"]["remap"] != "none")}
     for rec in (r for r in records if r.get("lineage")):
         sha, folder = rec["lineage"].get("config_sha256"), rec["lineage"].get("folder")
-        parent = by_hash.get(sha) or (by_folder.get(Path(folder).resolve()) if folder else None)
+        checkpoint = (rec["lineage"].get("pretrained") or {}).get("sha256")
+        parent = by_hash.get(sha) or by_weights.get(checkpoint) or (
+            by_folder.get(Path(folder).resolve()) if folder and not checkpoint else None)
         rec["parent"] = parent["setting"] if parent and parent is not rec else None
 
 

@@ -43,16 +43,17 @@ from omegaconf import DictConfig, open_dict
 from posbench.config.checks import ConfigError
 from posbench.config.eval_checks import eval_values
 from posbench.config.schema import LAYER_KEYS, scheme_schema, to_dict
-from posbench.config.upgrade import model_section
+from posbench.config.upgrade import model_section, upgrade
 from posbench.data.corpora import file_sha256
 from posbench.evaluation.results import run_label
-from posbench.model import build
+from posbench.model import build, pretrained
 from posbench.model.build import MODEL_KEYS
 from posbench.schemes import SCHEMES
 from posbench.training import checkpoint
 
 SCHEME_CHANGES = {("rope", "nope")}  # (parent, new) scheme pairs a fine-tune may make: DroPE drops RoPE's positions
 FREE_MODEL_KEYS = ("dropout", "attn_dropout")  # model.* a fine-tune may change: no weight depends on them
+EXTENSION_OPTIONS = ("scaling", "factor", "base")  # scheme.* whose change extends the parent past its L
 
 
 def config_sha256(config: dict) -> str:
@@ -77,6 +78,12 @@ class Parent:
         return self.spec["scheme"]
 
     @property
+    def pretrained(self) -> dict | None:
+        """What the parent is when it is a pretrained checkpoint (``posbench.model.pretrained.as_run``'s info: name,
+        source, family, L, quantisation, the weights' sha256); None for a posbench run."""
+        return self.state.get("pretrained")
+
+    @property
     def length(self) -> int:
         """The parent's train length L: the positions its weights were trained at."""
         return self.state["config"]["train"]["seq_len"]
@@ -85,20 +92,29 @@ class Parent:
         """What the new run records of its parent: folder, checkpoint, step, config hash (SHA-256 of the config as
         sorted JSON), train tokens (its own and, with its ancestors', the total), label, scheme, L, and the L of the
         first run of the line (``origin_length``: the length a report compares every run of the line at)."""
-        config, own = self.state["config"], self.state.get("train_tokens")
+        config, own, checkpoint_of = self.state["config"], self.state.get("train_tokens"), self.pretrained
         earlier = self.state.get("lineage") or {}
-        return {"folder": str(self.path.parent), "checkpoint": str(self.path), "step": self.state.get("step"),
-                "config_sha256": config_sha256(config),
-                "train_tokens": own, "total_train_tokens": self.state.get("total_train_tokens", own),
-                "label": run_label(config, earlier or None), "scheme": self.scheme["name"],
-                "train_length": self.length, "origin_length": earlier.get("origin_length", self.length),
-                "init_rows": rows}
+        out = {"folder": str(self.path.parent), "checkpoint": str(self.path), "step": self.state.get("step"),
+               "config_sha256": config_sha256(config),
+               "train_tokens": own, "total_train_tokens": self.state.get("total_train_tokens", own),
+               "label": run_label(config, earlier or None), "scheme": self.scheme["name"],
+               "train_length": self.length, "origin_length": earlier.get("origin_length", self.length),
+               "init_rows": rows}
+        if checkpoint_of:  # a pretrained checkpoint: its source for folder and file, its name for label
+            out.update(folder=checkpoint_of["source"], checkpoint=checkpoint_of["source"], label=checkpoint_of["name"],
+                       pretrained={k: checkpoint_of.get(k) for k in ("name", "source", "family", "sha256", "quantisation")})
+        return out
 
 
 def read(init_from: str) -> Parent:
-    """The parent ``init_from`` names: a run folder holding ``checkpoint.pt``, or a checkpoint file.
+    """The parent ``init_from`` names: a run folder holding ``checkpoint.pt``, or a checkpoint file; or a pretrained
+    checkpoint (``posbench.model.pretrained.is_checkpoint``: a Hugging Face model folder, a Hub id in the local cache,
+    a .gguf file), read as the run that would have recorded it (:func:`_pretrained`).
 
-    Raises ConfigError: no checkpoint there, or not a readable posbench checkpoint (the message names the path)."""
+    Raises ConfigError: no checkpoint there, or not a readable posbench or pretrained checkpoint (the message names
+    the path)."""
+    if pretrained.is_checkpoint(init_from):
+        return _pretrained(init_from)
     path = Path(init_from).expanduser().resolve()
     path = path / checkpoint.NAME if path.is_dir() else path
     try:
@@ -110,16 +126,36 @@ def read(init_from: str) -> Parent:
         raise ConfigError(f"init_from={init_from!r}: {e}") from None
 
 
+def _pretrained(source: str) -> Parent:
+    """The pretrained checkpoint ``source`` as a parent: its state (``posbench.model.pretrained.as_run``) with the
+    config a run of it would record (today's defaults but its model, scheme, L, tokenizer and vocabulary; 0 steps;
+    evaluation lengths L/4 … 4L, as ``posbench eval pretrained=`` takes them) and that config's model spec."""
+    try:
+        config, state = pretrained.as_run(source)
+    except pretrained.PretrainedError as e:
+        raise ConfigError(str(e).replace(f"pretrained={source}", f"init_from={source}", 1)) from None
+    L = config["train"]["seq_len"]
+    config = upgrade({**config, "train": {**config["train"], "steps": 0}, "eval": {"lengths": [L // 4, L // 2, L, 2 * L, 4 * L]}})
+    return Parent(Path(source), {**state, "config": config, "spec": build.model_spec(config, state["vocab_size"])})
+
+
 def inherited(parent: Parent) -> dict:
     """What a run started from ``parent`` takes from it unless given: ``{"scheme": the parent's scheme options
-    (its name included), "seq_len": its L, "model": its layers' options (:data:`LAYER_KEYS` it records)}``. Raises
-    ConfigError for a scheme no longer registered."""
+    (its name included), "seq_len": its L, "model": its layers' options (:data:`LAYER_KEYS` it records)}``; from a
+    pretrained checkpoint, every ``model`` option it records (its sizes and block too: they are not a posbench preset's),
+    and, from a parent whose corpus a checkpoint's tokenizer tokenised, ``"data"``: ``tokenizer`` and ``vocab_size``.
+    Raises ConfigError for a scheme no longer registered."""
     if parent.scheme["name"] not in SCHEMES:
         raise ConfigError(f"init_from={parent.path.parent}: its scheme {parent.scheme['name']!r} is not registered; "
                           f"the schemes: {', '.join(sorted(SCHEMES))}")
     fields = {f.name for f in dataclasses.fields(scheme_schema(parent.scheme["name"]))}
-    layers = {k: v for k, v in (parent.spec.get("model") or {}).items() if k in LAYER_KEYS}
-    return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length, "model": layers}
+    kept = LAYER_KEYS if parent.pretrained is None else set(MODEL_KEYS) - set(FREE_MODEL_KEYS)
+    model = {k: v for k, v in (parent.spec.get("model") or {}).items() if k in kept}
+    if parent.pretrained:
+        model["name"] = parent.pretrained["name"]
+    data = parent.state["config"].get("data") or {}
+    return {"scheme": {k: v for k, v in parent.scheme.items() if k in fields}, "seq_len": parent.length, "model": model,
+            **({"data": {k: data[k] for k in ("tokenizer", "vocab_size")}} if data.get("tokenizer") else {})}
 
 
 def differences(before: dict, after: dict, prefix: str = "") -> list[str]:
@@ -180,9 +216,10 @@ def _fit(cfg: DictConfig, lengths: list[int]) -> bool:
 
 def check_config(cfg: DictConfig, parent: Parent) -> None:
     """Raise ConfigError unless the finished config ``cfg`` may start from ``parent``, by what the configs say
-    (before any data is read): the scheme's name, the model's sizes, the vocabulary size, and the scheme's
-    options (only its ``fine_tune_options`` may differ from the parent's). Each message names the key and both
-    values."""
+    (before any data is read): the scheme's name, the model's sizes, the tokenizer and vocabulary size, the scheme's
+    options (only its ``fine_tune_options`` may differ from the parent's), and a train length no shorter than the
+    parent's L where the run extends it (a scaling, a new RoPE base or PoSE: :data:`EXTENSION_OPTIONS`). Each message
+    names the key and both values."""
     where = f"init_from={cfg.init_from}"
     old, new = parent.scheme["name"], cfg.scheme.name
     if old != new and (old, new) not in SCHEME_CHANGES:
@@ -199,10 +236,7 @@ def check_config(cfg: DictConfig, parent: Parent) -> None:
             why = ("a fine-tune keeps its parent's layers" if key in LAYER_KEYS else "the parent's weights would not fit")
             raise ConfigError(f"model.{key}={cfg.model[key]} but {where} has model.{key}={parent_model[key]}: {why}; "
                               f"give model.{key}={parent_model[key]}, or drop it")
-    theirs = parent.state["config"]["data"]["vocab_size"]
-    if cfg.data.vocab_size != theirs:
-        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} but {where} has data.vocab_size={theirs}: the "
-                          "parent's embeddings would not fit")
+    _check_data(cfg, parent.state["config"]["data"], where)
     if old != new:
         return
     allowed = SCHEMES[new].fine_tune_options
@@ -211,6 +245,24 @@ def check_config(cfg: DictConfig, parent: Parent) -> None:
         if key not in allowed:
             raise ConfigError(f"scheme.{key}={now} but {where} has scheme.{key}={was}: a fine-tune of {new} may change "
                               f"{', '.join(allowed) or 'none of its options'}; give scheme.{key}={was}")
+    extension = [f"scheme.{k}={changed[k][1]}" for k in EXTENSION_OPTIONS if k in changed] + \
+        [f"train.pose={cfg.train.pose}"] * bool(cfg.train.get("pose"))
+    if extension and cfg.train.seq_len < parent.length:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is shorter than the L={parent.length} of {where}, and "
+                          f"{' '.join(extension)} extends it: an extension recipe fine-tunes at k·L, k >= 1; give "
+                          f"train.seq_len >= {parent.length}")
+
+
+def _check_data(cfg: DictConfig, theirs: dict, where: str) -> None:
+    """Raise ConfigError unless the run tokenises as the parent did (its config's ``data`` section ``theirs``): the
+    same ``data.tokenizer`` (None: a BPE of the corpus, checked once the data is prepared) and vocabulary size."""
+    if cfg.data.get("tokenizer") != theirs.get("tokenizer"):
+        raise ConfigError(f"data.tokenizer={cfg.data.get('tokenizer')} but {where} tokenises with "
+                          f"data.tokenizer={theirs.get('tokenizer')}: its token ids would not match; drop data.tokenizer")
+    if cfg.data.vocab_size != theirs["vocab_size"]:
+        why = "its tokenizer has that many tokens" if theirs.get("tokenizer") else "the parent's embeddings would not fit"
+        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} but {where} has data.vocab_size={theirs['vocab_size']}: "
+                          f"{why}; drop data.vocab_size")
 
 
 def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_path: Path) -> None:
@@ -219,6 +271,8 @@ def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_path: Path) -> 
     the data cache's key when the parent's tokenizer file is gone), and the parent's weights loaded into the model
     built on the meta device (:func:`load`), so that what passes here loads in training."""
     where = f"init_from={cfg.init_from}"
+    if parent.pretrained:  # the corpus is tokenised by the checkpoint's own tokenizer (check_config: data.tokenizer)
+        return _load_on_meta(cfg, parent, spec)
     recorded = parent.state.get("tokenizer") or {}
     theirs = Path(recorded.get("path") or "/nonexistent")
     mine, other = (file_sha256(tokenizer_path), file_sha256(theirs)) if theirs.is_file() else (
@@ -229,12 +283,17 @@ def check(cfg: DictConfig, parent: Parent, spec: dict, tokenizer_path: Path) -> 
                           "would not match")
     if spec["vocab_size"] != parent.state["vocab_size"]:
         raise ConfigError(f"the tokenizer has {spec['vocab_size']} tokens but {where} has {parent.state['vocab_size']}")
+    _load_on_meta(cfg, parent, spec)
+
+
+def _load_on_meta(cfg: DictConfig, parent: Parent, spec: dict) -> None:
+    """Raise ConfigError unless the parent's weights load into the run's model (:func:`load`, on the meta device)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build.build_model(spec)
     try:
         load(model, parent, cfg.init_rows, cfg.train.seq_len, device="meta")
     except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"init_from={cfg.init_from}: {e}") from None
 
 
 def load(model: torch.nn.Module, parent: Parent, rows: str, new_length: int, device="cpu") -> None:

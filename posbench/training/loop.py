@@ -89,7 +89,9 @@ def train(job: TrainJob, tracker: Tracker | None = None, stop_file: Path | None 
     model = build.build_model(job.spec).to(proc.device)
     if job.parent and job.state is None:  # a run started from a parent's weights (a resumed one takes its state's)
         lineage.load(model, job.parent, cfg.init_rows, t.seq_len, proc.device)
-        log.info("starting from the weights of %s (%s, step %s)", job.parent.path, job.lineage["label"], job.lineage["step"])
+        step = job.lineage["step"]  # (None: a pretrained checkpoint)
+        log.info("starting from the weights of %s (%s%s)", job.parent.path, job.lineage["label"],
+                 "" if step is None else f", step {step}")
     dist.seed_rank(cfg.seed, proc.rank)  # the same weights on every rank; from here on, dropout masks of each rank's own
     optimizer = make_optimizer(model, t, fused=proc.device.type == "cuda")
     states = TrainingStates(out_dir, config, t.keep_checkpoints, proc.device, job.lineage)
