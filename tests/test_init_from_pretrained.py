@@ -3,8 +3,8 @@ transformers with its tokenizer (L = 64) is fine-tuned as a posbench parent is. 
 checkpoint as transformers does on the same windows; every extension recipe (the control at L, direct, PI, NTK, YaRN,
 Llama 3's scaling, PoSE) trains end to end; the record names the checkpoint as the parent (its weights' sha256, computed
 here) and the report finds it beside the checkpoint's own evaluation; the fine-tune is evaluated later on the corpus its
-checkpoint's tokenizer tokenised; a killed fine-tune resumes bit-identically; bad inputs get one line, exit 2, nothing
-written.
+checkpoint's tokenizer tokenised; a posbench run exported as a Hugging Face folder and started from scores as the run
+did; a killed fine-tune resumes bit-identically; bad inputs get one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -99,6 +99,20 @@ def test_a_fine_tune_is_evaluated_on_its_checkpoints_tokens(run_cli, data_cache,
              "eval.max_tokens=256")
     again = eval_here(f"run={run}", f"eval.lengths=[{L}]", "eval.max_tokens=512", "threads=1")
     assert again["results"][0]["ppl"] == pytest.approx(expected_ppl(tiny, L, 512), rel=1e-4)
+
+
+def test_an_exported_run_started_from_scores_as_the_run(run_cli, data_cache, tmp_path):
+    """``posbench export`` then ``init_from=<the export>``: the Hugging Face folder's weights, config and tokenizer
+    rebuild the run's model and its corpus's token ids, so 0 steps give the run's own perplexities."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    proc = run_into(run_cli, data_cache, run, "model.block=llama", "model.n_kv_head=2", "train.threads=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli("export", f"run={run}", f"out={hf}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = finetune(run_cli, data_cache, tmp_path / "again", hf, "train.steps=0")
+    assert [(r["length"], r["tokens"]) for r in again["results"]] == [(r["length"], r["tokens"]) for r in record(run)["results"]]
+    for mine, theirs in zip(again["results"], record(run)["results"]):
+        assert mine["ppl"] == pytest.approx(theirs["ppl"], rel=1e-5)
 
 
 def test_a_killed_fine_tune_of_a_checkpoint_resumes_bit_identically(data_cache, tiny, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from posbench.config.checks import ConfigError
-from posbench.data.cache import EOS
+from posbench.data.cache import end_of_text
 from posbench.model import build
 from posbench.model.export import ExportError, to_hf
 from posbench.training import checkpoint
@@ -43,6 +43,7 @@ def export(run: str, out: str) -> Path:
     says which option)."""
     import transformers  # (the hf extra)
 
+    transformers.utils.logging.disable_progress_bar()  # (its "Writing model shards" bar: export says what it wrote)
     target = Path(out)
     if target.exists():
         raise ConfigError(f"out={out}: it exists; give a new folder (export never writes into one)")
@@ -56,15 +57,16 @@ def export(run: str, out: str) -> Path:
                           f"posbench eval run={run} once to prepare the corpus again")
     spec = state.get("spec") or build.model_spec(state["config"], state["vocab_size"])
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos = end_of_text(tokenizer)  # (a fine-tune of a pretrained checkpoint: its tokenizer's own end of text)
     try:
-        hf = to_hf(state["model"], spec, state["config"]["train"]["seq_len"], tokenizer.token_to_id(EOS))
+        hf = to_hf(state["model"], spec, state["config"]["train"]["seq_len"], tokenizer.token_to_id(eos))
     except ExportError as e:
         raise ConfigError(f"run={run}: {e}") from None
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         hf.save_pretrained(partial)
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(partial)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos).save_pretrained(partial)
         partial.rename(target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
