@@ -280,3 +280,21 @@ def test_check_memory_false_skips_the_memory_check(data_cache, monkeypatch):
     with pytest.raises(ConfigError, match=r"a 1 MiB test machine.*train\.check_memory=false"):
         train_job.prepare(cfg)
     assert train_job.prepare(off).config.train.check_memory is False
+
+
+def test_a_run_of_0_steps_is_not_checked_for_a_training_step(data_cache, monkeypatch):
+    """``train.steps=0`` (a parent evaluated as it is) takes no training step: only the evaluation's forward pass is
+    checked, so a model whose training step would not fit is still evaluated (SmolLM2-135M's at L = 8192 on a CPU)."""
+    import types
+
+    from helpers import compose_train
+    from posbench.config.schema import finalize, to_dict
+    from posbench.jobs import train_job
+    from posbench.model import build
+
+    checked = []
+    monkeypatch.setattr(memory, "check_fits", lambda *a, training=True, **k: checked.append(training))
+    for steps in (0, 4):
+        cfg = finalize(compose_train(data_cache, f"train.steps={steps}", "init_from=x", "train.device=cpu"))
+        train_job.check_memory(types.SimpleNamespace(config=cfg, spec=build.spec(to_dict(cfg), V)))
+    assert checked == [False, True, False]  # 0 steps: evaluation only; 4 steps: the step, then the evaluation

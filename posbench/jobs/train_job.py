@@ -68,17 +68,18 @@ def _on_cuda(job: TrainJob) -> bool:
 
 
 def check_memory(job: TrainJob) -> None:
-    """Raise ConfigError when a training step, or the evaluation's forward pass at the longest length, needs more
-    memory than the training device has available now (estimated by posbench/model/memory.py; the message gives both and
-    names ``train.check_memory=false``, which skips the check)."""
+    """Raise ConfigError when a training step (if the run takes one), or the evaluation's forward pass at the longest
+    length, needs more memory than the training device has available now (estimated by posbench/model/memory.py; the
+    message gives both and names ``train.check_memory=false``, which skips the check)."""
     t, e = job.config.train, job.config.eval
     if not t.check_memory:
         return
     device = torch.device(dist.device_of(str(resolve_device(t.device))))
     longest = longest_length(e)
     try:  # (each layer's kernel: posbench.model.memory.layer_kernels)
-        memory.check_fits(job.spec, t.batch_size, t.seq_len, None, device,
-                          f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
+        if t.steps:  # (0 steps: a parent evaluated as it is, no training step)
+            memory.check_fits(job.spec, t.batch_size, t.seq_len, None, device,
+                              f"train.seq_len={t.seq_len} × train.batch_size={t.batch_size}")
         memory.check_fits(job.spec, max(1, e.batch_tokens // longest), longest, None, device,
                           f"eval.lengths (up to {longest}) × eval.batch_tokens={e.batch_tokens}", training=False)
     except memory.MemoryTooSmall as err:
