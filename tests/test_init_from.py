@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -20,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import free_port, refused, rows, run_into, snapshot, steps_of, valid_states
+from helpers import free_port, refused, rows, run_into, snapshot
 from posbench.data import cache
 from posbench.data.batches import get_batch
 from posbench.model import build
-from test_resume import cli, start, wait_until
+from test_resume import cli, kill_and_resume
 
 FT = ["train.seq_len=64", "eval.lengths=[32,64,128]", "train.schedule=constant", "train.warmup_steps=2"]
 
@@ -348,14 +346,7 @@ def test_killed_fine_tune_resumes_bit_identically(data_cache, parents, tmp_path)
     a = cli(tmp_path / "A", data_cache, *args)
     assert a.returncode == 0, a.stdout + a.stderr
     run = tmp_path / "B"
-    proc = start(run, data_cache, *args)
-    wait_until(proc, lambda: (steps_of(run) or [0])[-1] >= 5, "step 5")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert valid_states(run) and steps_of(run)[-1] < 12
-    again = cli(run, data_cache, *args)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from the checkpoint" in again.stdout + again.stderr
+    kill_and_resume(run, data_cache, *args)
     assert [(r["step"], r["loss"], r["lr"]) for r in rows(run)] == [(r["step"], r["loss"], r["lr"]) for r in rows(tmp_path / "A")]
     assert record(run)["param_sha256"] == record(tmp_path / "A")["param_sha256"]
     assert record(run)["lineage"] == record(tmp_path / "A")["lineage"]

@@ -12,17 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import signal
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import eval_here, refused, rows, run_into, snapshot, steps_of, valid_states  # noqa: E402
+from helpers import eval_here, refused, rows, run_into, snapshot  # noqa: E402
 from posbench.report.records import collect  # noqa: E402
 from test_pretrained_eval import L, V, expected_ppl, save_checkpoint  # noqa: E402
-from test_resume import cli, start, wait_until  # noqa: E402
+from test_resume import cli, kill_and_resume  # noqa: E402
 
 DATA = ("data.max_train_tokens=4096", "train.threads=1")
 
@@ -121,14 +119,7 @@ def test_a_killed_fine_tune_of_a_checkpoint_resumes_bit_identically(data_cache, 
     a = cli(tmp_path / "A", data_cache, *args)
     assert a.returncode == 0, a.stdout + a.stderr
     run = tmp_path / "B"
-    proc = start(run, data_cache, *args)
-    wait_until(proc, lambda: (steps_of(run) or [0])[-1] >= 5, "step 5")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert valid_states(run) and steps_of(run)[-1] < 12
-    again = cli(run, data_cache, *args)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from the checkpoint" in again.stdout + again.stderr
+    kill_and_resume(run, data_cache, *args)
     assert [(r["step"], r["loss"]) for r in rows(run)] == [(r["step"], r["loss"]) for r in rows(tmp_path / "A")]
     assert record(run)["param_sha256"] == record(tmp_path / "A")["param_sha256"]
 

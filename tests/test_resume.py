@@ -72,6 +72,20 @@ def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = TIMEOU
         time.sleep(0.002)
 
 
+
+def kill_and_resume(run: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """Start a training run of ``overrides`` in ``run``, SIGKILL it once it has logged step 5 (before its 12 steps
+    end, leaving valid training states), and run the same command again: the resumed run, checked to have resumed."""
+    proc = start(run, cache, *overrides)
+    wait_until(proc, lambda: (steps_of(run) or [0])[-1] >= 5, "step 5")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert valid_states(run) and steps_of(run)[-1] < 12
+    again = cli(run, cache, *overrides)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from the checkpoint" in again.stdout + again.stderr
+    return again
+
 # ---- fixtures ------------------------------------------------------------------------------------
 
 
