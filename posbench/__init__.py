@@ -33,7 +33,7 @@ LEVELS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("training", (("optim", "checkpoint"), ("lineage", "states"), ("job",), ("loop",))),
     # many runs: what plots write on their axes, how the records' settings differ and their rows; the plots, which
     # records; their numbers and series; the report
-    ("report", (("axes", "settings"), ("plots", "records"), ("compare",), ("render",))),
+    ("report", (("axes", "settings"), ("plots", "records"), ("compare", "probe_tables"), ("render",))),
     # what a command line composes and runs: inputs and overrides; the train, eval and export jobs; every job of a
     # command line
     ("jobs", (("inputs", "overrides"), ("train_job", "eval_job", "export_job"), ("command",))),

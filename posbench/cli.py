@@ -202,7 +202,8 @@ def _eval(cfg: DictConfig) -> None:
         tracker = Tracker.from_config(job.config, job.run_dir, "eval", name=f"{rec['label']} {rec['protocol']} {rec['split']}",
                                       config={**rec["config"], **{k: rec[k] for k in ("pretrained",) if k in rec}})
         tracker.log_eval(rec["results"])
-        tracker.log_passkey(passkey.accuracy(rec["passkey"]["trials"]) if rec.get("passkey") else None)
+        tracker.log_passkey(*(passkey.accuracy(rec["passkey"]["trials"], kind) for kind in ("", "transfer_"))
+                            if rec.get("passkey") else (None,))
         tracker.log_context(rec.get("context"))
         tracker.finish()
 

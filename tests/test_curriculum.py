@@ -291,10 +291,12 @@ def test_probe_every_writes_a_curve_to_metrics_and_the_record(data_cache, tmp_pa
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "passkey@32" in r]
     assert [(r["step"], r["tokens"]) for r in probes] == [(3, 3 * 4 * 32), (4, 4 * 4 * 32)]  # every 3 steps, and the last
-    assert all(set(r) == {"step", "tokens", "passkey@32", "passkey@64"} for r in probes)
+    assert all(set(r) == {"step", "tokens", "passkey@32", "passkey@64", "transfer@32", "transfer@64"} for r in probes)
     rec = json.loads((run / "results.json").read_text())
     assert [c["step"] for c in rec["probe_curve"]] == [3, 4]
     assert rec["probe_curve"][1]["accuracy"] == {"32": probes[1]["passkey@32"], "64": probes[1]["passkey@64"]}
+    assert rec["probe_curve"][1]["transfer"] == {"32": probes[1]["transfer@32"], "64": probes[1]["transfer@64"]}
+    assert rec["passkey"]["settings"]["transfer"] == "frequent"  # (digit keys trained: the transfer control's words)
     assert rec["passkey"]["settings"]["keys"] == "digits" and rec["passkey"]["settings"]["key_fraction"] < 1e-3
     assert render.write_report([run], tmp_path / "rep")[1]  # what posbench report runs
     assert (tmp_path / "rep" / "passkey_vs_tokens.png").stat().st_size > 0

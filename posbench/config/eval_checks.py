@@ -1,7 +1,8 @@
 """The value checks of a config's evaluation: ``eval.*`` and its probes (:func:`eval_values`), and a training-free
 remap (:func:`remap_values`), run by ``posbench.config.schema.finalize`` after the sections of posbench/config/checks.py.
 
-    eval_values(cfg.eval, L, needles); remap_values(cfg.eval, cfg.model, cfg.scheme, L, training)
+    eval_values(cfg.eval, L, needles, training); remap_values(cfg.eval, cfg.model, cfg.scheme, L, training)
+    key_kinds(cfg.eval.passkey, trained, training=False)  # a re-evaluation's, against its run's training needles
 
 Each raises ``ConfigError``, one line naming the value and what is allowed; :func:`eval_values` fills the derived
 lengths and strides in place, :func:`remap_values` the method's default parameters.
@@ -20,12 +21,14 @@ from posbench.schemes import SCHEMES
 NEEDLE_FORMAT = ("keys", "key_vocab", "key_length", "marker", "end")  # eval.passkey's, also the training needles'
 
 
-def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
+def eval_values(e: DictConfig, seq_len: int, needles: bool = False, training: bool = False) -> None:
     """Fill ``eval.lengths`` (None → L·2^k, k = 0…4), ``eval.passkey.lengths`` (None → ``eval.lengths``) and
     ``eval.context.stride`` (None → L // 8), and check the evaluation settings (the probes' options by their own
     checks: posbench/evaluation/passkey.py, posbench/evaluation/context.py); a probe's options set without the probe
     are refused, except
-    the needle format (:data:`NEEDLE_FORMAT`) when ``needles``: a training run's needles take it too."""
+    the needle format (:data:`NEEDLE_FORMAT`) when ``needles``: a training run's needles take it too. When
+    ``training``, the probe's key kinds are checked against the needles the run trains (:func:`key_kinds`; a
+    re-evaluation checks them against its run's: posbench/jobs/eval_job.py)."""
     if e.max_tokens is not None:
         positive("eval.max_tokens", e.max_tokens)
     positive("eval.batch_tokens", e.batch_tokens)
@@ -53,6 +56,8 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
         context.check(e.context, seq_len, list(e.lengths) if "context" in e.probes else None)  # fills the stride
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if training:
+        key_kinds(e.passkey, e.passkey["keys"] if needles else None, True)
     filled = {("passkey", "lengths"): list(e.lengths), ("passkey", "key_vocab"): KEYS.get(e.passkey["keys"]),
               ("context", "stride"): max(1, seq_len // 8)}  # what the fills above give: a finalized config holds them
     for probe, values in given.items():  # a probe's valid options without the probe (the needle format: training's too)
@@ -69,6 +74,23 @@ def eval_values(e: DictConfig, seq_len: int, needles: bool = False) -> None:
         if e.stride < 1 or e.stride > min(e.lengths):
             raise ConfigError(f"eval.stride={e.stride} is not allowed: it must be between 1 and the smallest "
                               f"evaluation length {min(e.lengths)}")
+
+
+def key_kinds(p: DictConfig, trained: str | None, training: bool) -> None:
+    """Refuse a passkey probe of the ``heldout`` half (``eval.passkey.keys`` or ``.transfer``) on a run whose training
+    keys did not leave it out: ``trained``, the kind of the run's training needles (None: it trained none), must be
+    ``half``. ``training``: the run is being trained now, drawing its needles' keys from ``eval.passkey.keys``."""
+    for key in ("keys", "transfer"):
+        if p[key] != "heldout" or trained == "half":
+            continue
+        if training and trained == "heldout":
+            raise ConfigError("eval.passkey.keys=heldout: a training run draws its needles' keys from eval.passkey.keys; "
+                              "train on eval.passkey.keys=half, and its probe reads the held-out half as its transfer "
+                              "control")
+        raise ConfigError(f"eval.passkey.{key}=heldout probes the half of the tokens a run's training keys left out, and "
+                          + (f"this run {'trains' if training else 'trained'} no needles" if trained is None
+                             else f"this run's keys were {trained}")
+                          + ": it needs a run trained with data.passkey_rate > 0 and eval.passkey.keys=half")
 
 
 def remap_values(e: DictConfig, m: DictConfig, scheme: DictConfig, seq_len: int, training: bool) -> None:

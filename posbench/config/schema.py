@@ -301,7 +301,7 @@ def finalize(cfg: DictConfig, training: bool = True, trained_length: int | None 
     if training:
         checks.training_data_inert(cfg.data, DataConfig())
     model_checks.model_values(cfg.model, trained_length or t.seq_len)
-    eval_checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0)
+    eval_checks.eval_values(cfg.eval, t.seq_len, needles=training and cfg.data.passkey_rate > 0, training=training)
     eval_checks.remap_values(cfg.eval, cfg.model, s, t.seq_len, training)
     checks.training_positions(t, [s.name, *model_checks.global_name(cfg.model)], cfg.eval)
     longest = max(longest_length(cfg.eval), t.seq_len, t.random_positions or 0, t.pose or 0)  # positions seen

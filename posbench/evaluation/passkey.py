@@ -7,7 +7,10 @@ The key's tokens in that query are scored teacher-forced (docs/design.md §6.4):
 * exact match: every key token is the model's argmax given the window before it;
 * the key's mean log-probability (nats per key token);
 * the retrieval gain: that log-probability minus the same key's log-probability in the window whose needle held
-  another random key (the control for the model's prior on those tokens).
+  another random key (the control for the model's prior on those tokens);
+* the transfer control: the same trials (haystack, depth) with keys of a kind the run never trained on as keys
+  (``eval.passkey.transfer``; posbench/data/needles.py ``transfer_kind``), scored the same way, so a model that
+  copies whatever follows the marker is told from one that reads only the keys it was trained on.
 
 Trials are a pure function of (seed, T, trial index) and the tokenizer, so every scheme trained on the same corpus
 is probed on the same windows, and cells pair across schemes. The needle's format (posbench/data/needles.py) also
@@ -25,7 +28,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from posbench.data.needles import KEYS, Needle, key_fraction
+from posbench.data.needles import KEYS, Needle, key_digest, key_fraction
 
 
 @dataclass
@@ -36,8 +39,11 @@ class Config:
     depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in the haystack
     lengths: Optional[List[int]] = None  # None = eval.lengths
     key_length: int = 4  # k, tokens per key
-    keys: str = "digits"  # digits (the original test's) | frequent (whole words) | reserved (absent from train)
-    key_vocab: Optional[int] = None  # key tokens drawn from: None = the 10 digits, or 100 words / reserved tokens
+    keys: str = "digits"  # digits (the original test's) | frequent (whole words) | reserved (absent from train) |
+    # half, heldout (the two halves of a seeded split of the corpus's tokens: needles.key_halves)
+    key_vocab: Optional[int] = None  # key tokens drawn from: None = the 10 digits, 100 words / reserved tokens, a half
+    transfer: Optional[str] = None  # the transfer control's key kind: None = one the run never trained on as keys
+    # (needles.transfer_kind), none = no control
     marker: str = " The pass key is"
     end: str = "."
     threshold: float = 0.8  # accuracy within L below which a row "does not retrieve within L"
@@ -50,16 +56,22 @@ def check(p) -> None:
     keys = p["keys"] if hasattr(p, "__getitem__") else p.keys  # (a config node's .keys is its method)
     if keys not in KEYS:
         raise ValueError(f"eval.passkey.keys={keys!r} is unknown; choose one of: {', '.join(KEYS)}")
+    if p.transfer not in (None, "none", *KEYS) or p.transfer == keys:
+        raise ValueError(f"eval.passkey.transfer={p.transfer!r} is not allowed: choose a key kind other than the "
+                         f"probe's {keys} ({', '.join(k for k in KEYS if k != keys)}), none, or leave it unset (a kind "
+                         "the run never trained on as keys)")
     if p.key_vocab is None:
         p.key_vocab = KEYS[keys]
     for key in ("trials", "key_length", "key_vocab"):
         value = getattr(p, key)
+        if value is None and key == "key_vocab":  # (half, heldout: the whole half)
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"eval.passkey.{key}={value!r} is not allowed: it must be a positive integer")
     if keys == "digits" and p.key_vocab > 10:
         raise ValueError(f"eval.passkey.key_vocab={p.key_vocab} is not allowed with eval.passkey.keys=digits: a digit key "
                          "draws from at most the 10 digits")
-    if p.key_vocab < p.key_length:
+    if p.key_vocab is not None and p.key_vocab < p.key_length:
         raise ValueError(f"eval.passkey.key_vocab={p.key_vocab} is smaller than eval.passkey.key_length="
                          f"{p.key_length}: a key draws its tokens from the vocabulary")
     if len(p.depths) == 0 or not all(0 <= d <= 1 for d in p.depths):
@@ -117,6 +129,27 @@ def trials(n_tokens: int, needle: Needle, lengths: list[int], depths: list[float
     return out
 
 
+def transferred(main: list[Trial], needle: Needle, n_tokens: int, seed: int) -> list[Trial]:
+    """The transfer control's trials: each trial of ``main`` with the same length, depth, index and haystack offset
+    (moved back where a shorter needle's longer haystack would run past the split's ``n_tokens``), keys of ``needle`` (the
+    transfer kind's) drawn from ``default_rng([seed, T, i, 1])`` as :func:`trials` draws its own. A needle of another
+    length than the probe's (digits take a space token after the marker) changes the haystack by those tokens, so
+    the needle sits at round(d·H) of its own H."""
+    out, keys = [], {}
+    for t in main:
+        hay = t.length - needle.needle_length - needle.query_length
+        if (t.length, t.index) not in keys:
+            rng = np.random.default_rng([seed, t.length, t.index, 1])
+            key, other = needle.draw_key(rng), needle.draw_key(rng)
+            while np.array_equal(other, key):
+                other = needle.draw_key(rng)
+            keys[(t.length, t.index)] = tuple(key.tolist()), tuple(other.tolist())
+        p = round(t.depth * hay)
+        out.append(Trial(t.length, t.depth, t.index, max(0, min(t.offset, n_tokens - hay)), p, *keys[(t.length, t.index)],
+                         (t.length - needle.k) - (p + len(needle.marker))))
+    return out
+
+
 def window(tokens: np.ndarray, needle: Needle, trial: Trial, control: bool = False) -> np.ndarray:
     """The trial's window, (T,) int64: haystack[:position] + marker + key + end + haystack[position:] + marker +
     key; ``control``: the needle holds the trial's other key (the query still ends with its key)."""
@@ -148,10 +181,12 @@ def score(model: torch.nn.Module, windows: np.ndarray, k: int, device="cpu",
 
 def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: list[int], depths: list[float],
           trials_per_cell: int, seed: int, device="cpu", batch_tokens: int = 16384, progress=None,
-          control: bool = True) -> list[dict]:
+          control: bool = True, transfer: Needle | None = None) -> list[dict]:
     """Every trial of the probe scored: one dict per trial with ``length``, ``depth``, ``trial``, ``distance``
     (tokens), ``correct`` (exact match), ``logp`` (mean key log-probability, nats/token) and ``gain`` (``logp`` minus
-    the control's; None without ``control``, which then scores half the windows). Raises ValueError as :func:`trials`."""
+    the control's; None without ``control``, which then scores half the windows); with ``transfer`` (the transfer
+    kind's needle), the same three of its trials (:func:`transferred`) as ``transfer_correct``, ``transfer_logp``
+    and ``transfer_gain``. Raises ValueError as :func:`trials`."""
     was_training = model.training
     model.eval()
     out = []
@@ -160,28 +195,40 @@ def probe(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, lengths: l
         if progress:
             progress(f"passkey probe at length {length}")
         mine = [t for t in all_trials if t.length == length]
-        wins = np.stack([window(tokens, needle, t, c) for c in (False, True)[:1 + control] for t in mine])  # (2N or N, T)
-        correct, logp = score(model, wins, needle.k, device, batch_tokens)
-        for i, t in enumerate(mine):
-            out.append({"length": t.length, "depth": t.depth, "trial": t.index, "distance": t.distance,
-                        "correct": bool(correct[i]), "logp": float(logp[i]),
-                        "gain": float(logp[i] - logp[len(mine) + i]) if control else None})
+        rows = [{"length": t.length, "depth": t.depth, "trial": t.index, "distance": t.distance} for t in mine]
+        kinds = [("", needle, mine)]
+        if transfer:
+            kinds.append(("transfer_", transfer, transferred(mine, transfer, len(tokens), seed)))
+        for prefix, kind, these in kinds:
+            wins = np.stack([window(tokens, kind, t, c) for c in (False, True)[:1 + control] for t in these])  # (2N or N, T)
+            correct, logp = score(model, wins, kind.k, device, batch_tokens)
+            for i, row in enumerate(rows):
+                row.update({f"{prefix}correct": bool(correct[i]), f"{prefix}logp": float(logp[i]),
+                            f"{prefix}gain": float(logp[i] - logp[len(these) + i]) if control else None})
+        out += rows
     model.train(was_training)
     return out
 
 
 def record(model: torch.nn.Module, tokens: np.ndarray, needle: Needle, settings: dict, split: str, train_length: int,
-           device="cpu", batch_tokens: int = 16384, progress=None) -> dict:
+           device="cpu", batch_tokens: int = 16384, progress=None, transfer: Needle | None = None,
+           transfer_kind: str | None = None) -> dict:
     """What a results record holds of the probe (``passkey``): ``settings`` (``eval.passkey``'s, filled, with the
-    ``split`` probed, the run's ``train_length`` L and ``key_fraction``, the share of the split's tokens that are
-    key tokens: ``needles.key_fraction``) and every trial (:func:`probe`) on ``tokens``."""
+    ``split`` probed, the run's ``train_length`` L, ``key_fraction`` (the share of the split's tokens that are key
+    tokens: ``needles.key_fraction``), ``key_digest`` (``needles.key_digest``), and, with a ``transfer`` needle, its
+    ``transfer_kind``, ``transfer_key_vocab`` and ``transfer_key_digest``) and every trial (:func:`probe`) on
+    ``tokens``."""
     trials_ = probe(model, tokens, needle, list(settings["lengths"]), list(settings["depths"]), settings["trials"],
-                    settings["seed"], device, batch_tokens, progress)
-    return {"settings": {**settings, "split": split, "train_length": train_length,
-                         "key_fraction": key_fraction(tokens, needle)}, "trials": trials_}
+                    settings["seed"], device, batch_tokens, progress, transfer=transfer)
+    more = {"transfer": transfer_kind, "transfer_key_vocab": len(transfer.keys),
+            "transfer_key_digest": key_digest(transfer)} if transfer else {"transfer": "none"}
+    return {"settings": {**settings, "key_vocab": len(needle.keys), "split": split, "train_length": train_length,
+                         "key_fraction": key_fraction(tokens, needle), "key_digest": key_digest(needle), **more},
+            "trials": trials_}
 
 
-def accuracy(trials_: list[dict]) -> dict[int, float]:
-    """{length: exact-match accuracy} of scored trials (:func:`probe`'s)."""
-    lengths = sorted({t["length"] for t in trials_})
-    return {n: float(np.mean([t["correct"] for t in trials_ if t["length"] == n])) for n in lengths}
+def accuracy(trials_: list[dict], prefix: str = "") -> dict[int, float]:
+    """{length: exact-match accuracy} of scored trials (:func:`probe`'s); ``prefix="transfer_"``: of their transfer
+    control ({} where the trials have none)."""
+    lengths = sorted({t["length"] for t in trials_ if f"{prefix}correct" in t})
+    return {n: float(np.mean([t[f"{prefix}correct"] for t in trials_ if t["length"] == n])) for n in lengths}

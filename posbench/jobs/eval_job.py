@@ -36,13 +36,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from posbench.attention import remap as remapping
 from posbench.attention.temperature import BETA, ZERO_SHOT
 from posbench.config.checks import ConfigError, check_device, check_keys
+from posbench.config.eval_checks import key_kinds
 from posbench.config.resolvers import eval_dir
 from posbench.config.schema import EvalJobConfig, PosbenchConfig, finalize, scheme_schema, to_dict
 from posbench.config.upgrade import model_section
 from posbench.data import cache, needles
 from posbench.evaluation import context, passkey, results
 from posbench.evaluation.perplexity import evaluate
-from posbench.jobs.inputs import needle_of, prepare_data
+from posbench.jobs.inputs import needle_of, prepare_data, transfer_of
 from posbench.jobs.overrides import CONFIG_MODULE
 from posbench.model import build, pretrained
 from posbench.runtime import dist
@@ -72,6 +73,8 @@ class EvalJob:
             the trained model's spec, each section only where one does (``{}``: the model as trained).
         run_dir: the run folder. device, threads: where to compute (``device`` checked, not yet resolved).
         needle: the passkey format when ``eval.probes`` has passkey (posbench/evaluation/passkey.py), else None.
+        transfer_kind, transfer: the probe's transfer control (posbench/jobs/inputs.py ``transfer_of``), or
+            ``"none"`` and None.
     """
 
     config: DictConfig
@@ -83,6 +86,8 @@ class EvalJob:
     device: str
     threads: int | None
     needle: needles.Needle | None = None
+    transfer_kind: str = "none"
+    transfer: needles.Needle | None = None
 
     @cached_property
     def label(self) -> str:
@@ -132,6 +137,7 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
     if temperature:
         _change_temperature(cfg.model, temperature, source)
     finalize(cfg, training=False)  # the job's own device is checked above; the run's train.device is history
+    key_kinds(cfg.eval.passkey, needles.trained_keys(state["config"]), training=False)
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"], to_dict(cfg.model), trained.get("model") or {})
     model = _trained_model(state, trained, overrides, {**{f"scheme.{k}": v for k, v in given.items()},
                                                        **{f"model.{k}": v for k, v in temperature.items()}})
@@ -140,7 +146,7 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
     corpus = prepare_data(cfg)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
     return EvalJob(cfg, state, corpus, model, overrides, Path(run_dir or eval_dir(job.run, job.pretrained)), job.device,
-                   job.threads, needle)
+                   job.threads, needle, *transfer_of(cfg, corpus, needles.trained_keys(state["config"])))
 
 
 def _run(run: str, eval_options: DictConfig) -> tuple[DictConfig, dict]:
@@ -208,8 +214,10 @@ def run(job: EvalJob, progress=None) -> dict:
         rows = evaluate(job.model.to(device), job.corpus.tokens[e.split], list(e.lengths), e.protocol, e.stride,
                         e.max_tokens, e.batch_tokens, device, progress=progress, rank=dist.rank(), world=dist.world())
         if job.needle:
-            extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, to_dict(e.passkey),
-                                              e.split, job.config.train.seq_len, device, e.batch_tokens, progress)
+            settings = {**to_dict(e.passkey), "trained_keys": needles.trained_keys(job.state["config"])}
+            extra["passkey"] = passkey.record(job.model, job.corpus.tokens[e.split], job.needle, settings,
+                                              e.split, job.config.train.seq_len, device, e.batch_tokens, progress,
+                                              job.transfer, job.transfer_kind)
         if "context" in e.probes:  # (windows sharded over ranks, as perplexity's)
             extra["context"] = context.record(job.model, job.corpus.tokens[e.split], to_dict(e.context), e.split,
                                               job.config.train.seq_len, list(e.lengths), e.max_tokens, device,

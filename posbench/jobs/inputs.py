@@ -4,6 +4,7 @@ tokenizer when the job trains or probes with needles.
 
     corpus = prepare_data(cfg)        # raises DataError or ConfigError
     needle = needle_of(cfg, corpus)   # a needles.Needle, or None
+    kind, control = transfer_of(cfg, corpus, needles.trained_keys(run_config))   # the probe's transfer control
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def needle_of(cfg: DictConfig, corpus: cache.Corpus) -> needles.Needle | None:
                           f"needles need a window of at least {pairs * pair} tokens (train.seq_len >= "
                           f"{pairs * pair - 1}): {fix}")
     return needle
+
+
+def transfer_of(cfg: DictConfig, corpus: cache.Corpus, trained: str | None) -> tuple[str, needles.Needle | None]:
+    """(the transfer control's key kind, its needle) of a passkey probe (``eval.passkey.transfer``; unset: the kind
+    ``needles.transfer_kind`` picks from the probe's and the ``trained`` one), ``("none", None)`` without one or
+    without the probe. Its needle has the probe's key length, marker and end mark, and its kind's default key
+    vocabulary. Raises ConfigError: a kind the tokenizer cannot serve (the message names ``eval.passkey.transfer``)."""
+    p = cfg.eval.passkey
+    if "passkey" not in cfg.eval.probes or p.transfer == "none":
+        return "none", None
+    kind = p.transfer or needles.transfer_kind(p["keys"], trained)
+    try:
+        return kind, needles.make_needle(corpus.tokenizer_path, corpus.tokens["train"], p.marker, p.end, p.key_length,
+                                         needles.KEYS[kind], kind)
+    except ValueError as e:
+        raise ConfigError(f"eval.passkey.transfer={kind}: {e}") from None
 
 
 def prepare_data(cfg: DictConfig) -> cache.Corpus:

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from posbench.config.checks import ConfigError, longest_length
 from posbench.config.schema import finalize, to_dict
-from posbench.jobs.inputs import needle_of, prepare_data
+from posbench.data import needles
+from posbench.jobs.inputs import needle_of, prepare_data, transfer_of
 from posbench.model import build, memory
 from posbench.runtime import dist
 from posbench.runtime.device import resolve_device
@@ -55,7 +56,9 @@ def prepare(cfg: DictConfig, run_dir: Path | None = None) -> TrainJob:
     corpus = prepare_data(cfg)
     # a pretrained parent's embedding rows, which may outnumber its tokenizer's tokens (Qwen's), else the corpus's
     vocab = parent.state["vocab_size"] if parent and parent.pretrained else corpus.vocab_size
-    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), vocab), parent=parent, needle=needle_of(cfg, corpus))
+    kind, transfer = transfer_of(cfg, corpus, needles.trained_keys(to_dict(cfg)))
+    job = TrainJob(cfg, corpus, build.spec(to_dict(cfg), vocab), parent=parent, needle=needle_of(cfg, corpus),
+                   transfer_kind=kind, transfer=transfer)
     if parent:
         lineage.check(cfg, parent, job.spec, corpus.tokenizer_path)
     if not _on_cuda(job):  # a GPU's free memory is read in the process that trains, on its own GPU: in_folder

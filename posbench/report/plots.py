@@ -291,23 +291,29 @@ def draw_context(out: Path, series: dict[str, tuple[list, list, list, list]], tr
     return _save(plt, fig, out / "context_vs_length.png", _handles([style[s] for s in series]))
 
 
-def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], labels: dict[str, str]) -> Path:
+def draw_probe_curves(out: Path, curves: dict[str, dict[int, tuple[list, list]]], labels: dict[str, str],
+                      transfer: dict[str, dict[int, tuple[list, list]]] | None = None) -> Path:
     """Write ``passkey_vs_tokens.png``: exact-match accuracy against training tokens (log x), per row one colour
     (``curves``: {setting: {probe length: (tokens, accuracy)}}), a solid line at the shortest probe length (L) and a
-    dashed one at the longest; return its path. ``labels``: as :func:`draw`'s."""
+    dashed one at the longest; ``transfer`` (the same for the transfer control's keys) as hollow markers on thin
+    lines; return its path. ``labels``: as :func:`draw`'s."""
     plt = _pyplot()
     style = _styles(labels)
-    entries = [(s, n) for s, by_length in curves.items() for n in sorted(by_length)]
-    names = {(s, n): f"{labels[s]} @ {n}" for s, n in entries}
+    both = [("", curves), (" transfer", transfer or {})]
+    entries = [(s, n, tag) for tag, series in both for s, by_length in series.items() for n in sorted(by_length)]
+    names = {(s, n, tag): f"{labels[s]} @ {n}{tag}" for s, n, tag in entries}
     fig, (ax,) = _figure(plt, 1, len(entries), max(map(len, names.values())))
     handles = []
-    for setting, by_length in curves.items():
-        lengths = sorted(by_length)
-        for length in lengths:
-            xs, ys = by_length[length]
-            handles += ax.plot(xs, ys, marker=".", color=style[setting]["color"],
-                               linestyle="-" if length == lengths[0] else "--", label=names[setting, length])
+    for tag, series in both:
+        for setting, by_length in series.items():
+            lengths = sorted(by_length)
+            for length in lengths:
+                xs, ys = by_length[length]
+                handles += ax.plot(xs, ys, marker="o" if tag else ".", color=style[setting]["color"],
+                                   markerfacecolor="none" if tag else None, linewidth=0.8 if tag else 1.5,
+                                   linestyle="-" if length == lengths[0] else "--", label=names[setting, length, tag])
     ax.set_xscale("log")
     ax.set(xlabel="training tokens", ylabel="exact-match accuracy", ylim=(-0.03, 1.03))
-    ax.set_title("Passkey retrieval during training (solid: at L, dashed: longest probe length)", fontsize=FONT + 1)
+    ax.set_title("Passkey retrieval during training (solid: at L, dashed: longest probe length; hollow, thin: the "
+                 "transfer control's keys)", fontsize=FONT + 1)
     return _save(plt, fig, out / "passkey_vs_tokens.png", handles)

@@ -22,7 +22,8 @@ from posbench.evaluation import context, retrieval, stats
 from posbench.evaluation.results import split_text
 from posbench.report import compare, plots
 from posbench.report.records import collect, origin_length, orphans
-from posbench.report.settings import settings, value_key
+from posbench.report.probe_tables import CONTEXT_COLUMNS, PASSKEY_COLUMNS, context_tables, passkey_tables, probe_title
+from posbench.report.settings import legend, settings, value_key
 
 log = logging.getLogger("posbench")
 REPORT_COLUMNS = ["table", "setting", "protocol", "stride", "split", "scored_split", "max_tokens", "lengths", "length",
@@ -78,27 +79,6 @@ def _footnotes(sub: list[dict]) -> tuple[dict[tuple[str, int], str], list[str]]:
     return marks, lines
 
 
-def legend(sub: list[dict]) -> list[str]:
-    """What the short row labels of one table stand for: a table of the settings that differ between its rows (a
-    column per key, "–" where a row's scheme has no such option) and a line of those its rows share; [] when no
-    setting tells the reported runs apart."""
-    rows = {r["label"]: r["differs"] for r in sub}
-    keys = list(dict.fromkeys(k for differs in rows.values() for k in differs))
-    if not keys:
-        return []
-    varying = [k for k in keys if len({d.get(k) for d in rows.values()}) > 1]
-    shared = [f"`{k}` = {v}" for k, v in next(iter(rows.values())).items() if k not in varying]
-    lines = [""]
-    if varying:
-        lines += ["| row | " + " | ".join(f"`{k}`" for k in varying) + " |", "|---" * (len(varying) + 1) + "|",
-                  *(f"| {label} | " + " | ".join(d.get(k, "–") for k in varying) + " |" for label, d in rows.items())]
-    if shared:
-        lines += [*([""] if varying else []), ("The rows of this table share " if len(rows) > 1 else
-                                                f"{next(iter(rows))} has ") + ", ".join(shared)
-                  + " (runs in the report's other tables have other values)."]
-    return lines
-
-
 def tables(rows: list[dict], train_length: int) -> str:
     """Markdown tables, one per evaluation setting (its title states them): short row labels × lengths, cells
     exp(mean NLL) ± std of per-seed perplexity with ★/† marks and footnote numbers (:func:`puzzles`),
@@ -137,111 +117,6 @@ def _tokens(r: dict) -> str:
     return show(r.get("train_tokens")) + (f" / {show(r['total_train_tokens'])}" if r.get("total_train_tokens") else "")
 
 
-PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
-                   "ranked", "best", "p_value", "star", "label"]
-
-
-def passkey_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
-    """The passkey probe's tables (posbench/evaluation/retrieval.py), one per probe: rows × probe lengths, cells exact-match
-    accuracy with its Wilson 95% interval and ★ (the column's best ranked row, or not significantly worse by the
-    paired test) or † (untested), the accuracy within L and the mean gain at the longest length; a row below the
-    threshold within L is marked and not ranked past L. ``names``: {setting: a perplexity row (``label``,
-    ``differs``)}: rows by short label, with their :func:`legend` (None: by setting)."""
-    out = []
-    names = names or {}
-    for table in sorted({c["table"] for c in cells}):
-        sub = [c for c in cells if c["table"] == table]
-        probe, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
-        lines = [f"### P{table}. {_probe_title(probe)}", "",
-                 "| | " + " | ".join(map(str, lengths)) + f" | within L | gain at {lengths[-1]} |",
-                 "|---" * (len(lengths) + 3) + "|"]
-        for setting in dict.fromkeys(c["setting"] for c in sub):
-            mine = {c["length"]: c for c in sub if c["setting"] == setting}
-            first = next(iter(mine.values()))
-            row = [f"{mine[n]['accuracy']:.0%} ({mine[n]['ci_low']:.0%}–{mine[n]['ci_high']:.0%})" + _probe_mark(mine[n])
-                   if n in mine else "" for n in lengths]
-            within = "–" if first["within_L"] is None else f"{first['within_L']:.0%}"
-            label = _name(names, setting) + ("" if first["valid"] else " (does not retrieve within L)"
-                                             if first["within_L"] is not None else " (no probe length ≤ L: not ranked past L)")
-            gain = f"{mine[lengths[-1]]['gain']:+.2f}" if lengths[-1] in mine else ""
-            lines.append(f"| {label} | " + " | ".join(row) + f" | {within} | {gain} |")
-        n = max(c["n"] for c in sub)
-        lines += ["", f"Exact match of the key, % of up to {n} trials per cell ({probe['trials']} per depth × "
-                  f"{len(probe['depths'])} depths {list(probe['depths'])} per seed, the same windows for every row), with "
-                  "the Wilson 95% interval (Wilson 1927; seeds pooled as trials). ★: the best ranked row of the column, or "
-                  "not significantly worse than it by a paired sign test over the windows both were probed on (each "
-                  "window's accuracy over the row's seeds; with one seed the exact McNemar test, McNemar 1947; two-sided "
-                  f"p ≥ {stats.ALPHA}); †: no shared window, untested; no ★ where no ranked row retrieved a key. Within L: "
-                  f"accuracy in the windows no longer than L; below {probe['threshold']:.0%} the row does not retrieve "
-                  "within L and is not ranked past L. Gain: the key's mean log-probability (nats/token) minus the same "
-                  "key's when the needle held another key (0: the context is not used)."]
-        out.append("\n".join(lines + _legend_of(names, sub)))
-    return "\n\n".join(out)
-
-
-def _probe_title(probe: dict) -> str:
-    """A passkey probe's settings in words: split, key, marker and seed."""
-    keys = probe.get("keys", "frequent")
-    share = f" ({probe['key_fraction']:.2%} of the split's tokens are key tokens)" if "key_fraction" in probe else ""
-    return (f"{probe.get('split', 'validation')} split, key of {probe['key_length']} tokens from {probe['key_vocab']} "
-            f"{retrieval.KEY_KINDS.get(keys, keys)}{share}, marker {probe['marker']!r}, probe seed {probe['seed']}")
-
-
-def _name(names: dict[str, dict], setting: str) -> str:
-    return names[setting]["label"] if setting in names else setting
-
-
-def _legend_of(names: dict[str, dict], cells: list[dict]) -> list[str]:
-    """The :func:`legend` of a probe table's rows (``cells`` with ``setting``), [] without ``names``."""
-    return legend([names[s] for s in dict.fromkeys(c["setting"] for c in cells) if s in names])
-
-
-CONTEXT_COLUMNS = ["table", "setting", "length", "windows", "seeds", "diff", "ci_low", "ci_high", "nll_full", "nll_short",
-                   "label"]
-
-
-def _nats(x: float) -> str:
-    return f"{x:+.3f}".replace("-", "−")
-
-
-def context_tables(cells: list[dict], names: dict[str, dict] | None = None) -> str:
-    """The context-use probe's tables (posbench/evaluation/context.py ``cells``), one per probe (split, L, stride): rows ×
-    evaluation lengths, cells the mean NLL difference past L with its bootstrap 95% interval, nats/token.
-    ``names``: as :func:`passkey_tables`'s."""
-    out = []
-    names = names or {}
-    for table in sorted({c["table"] for c in cells}):
-        sub = [c for c in cells if c["table"] == table]
-        s, lengths = sub[0]["settings"], sorted({c["length"] for c in sub})
-        L, S = s["train_length"], s["stride"]
-        lines = [f"### C{table}. {s.get('split', 'validation')} split, L = {L}, stride {S}", "",
-                 "| | " + " | ".join(map(str, lengths)) + " | seeds |", "|---" * (len(lengths) + 2) + "|"]
-        for setting in dict.fromkeys(c["setting"] for c in sub):
-            mine = {c["length"]: c for c in sub if c["setting"] == setting}
-            row = [f"{_nats(mine[n]['diff'])} ({_nats(mine[n]['ci_low'])} … {_nats(mine[n]['ci_high'])})" if n in mine
-                   else "" for n in lengths]
-            lines.append(f"| {_name(names, setting)} | " + " | ".join(row) + f" | {max(c['seeds'] for c in mine.values())} |")
-        windows = ", ".join(f"{n}: {max(c['windows'] for c in sub if c['length'] == n)}" for n in lengths)
-        lines += ["", f"Mean over windows of NLL_full − NLL_short (nats/token) for the tokens at positions ≥ L of each "
-                  f"window: NLL_full with the token's whole left context in the window, NLL_short by a sliding window of "
-                  f"L tokens with stride {S} (each token keeps {L - S + 1}…{L} tokens of context). Negative: the model "
-                  "uses context beyond L; 0: it ignores it; positive: the longer context hurts. In brackets the "
-                  f"percentile bootstrap 95% interval over windows ({s['bootstrap']} resamples, seed {s['seed']}); "
-                  f"seeds pooled per window (the mean over a row's seeds). Windows per length: {windows}."]
-        out.append("\n".join(lines + _legend_of(names, sub)))
-    return "\n\n".join(out)
-
-
-def _probe_mark(c: dict) -> str:
-    """★ (best, or not significantly worse), † (ranked but untested: no window shared with the best), or nothing."""
-    if c["star"]:
-        return " ★"
-    return " †" if c.get("untested") else ""
-
-
-# ---- files ---------------------------------------------------------------------------------------
-
-
 def _write_csv(path: Path, columns: list[str], rows) -> None:
     """``rows`` (dicts) as CSV at ``path``: ``columns`` in order, other keys left out."""
     with open(path, "w", newline="") as f:
@@ -260,11 +135,12 @@ def _draw(out: Path, records: list[dict], rows: list[dict], context_cells: list[
     probes = retrieval.groups(records)
     if probes:
         first = next(iter(probes.values()))
-        title = "P1. " + _probe_title(next(iter(first.values()))["settings"])
+        title = "P1. " + probe_title(next(iter(first.values()))["settings"])
         images.update(plots.draw_passkey(out, retrieval.by_distance(records), retrieval.by_depth(records), labels, title))
     curves = retrieval.probe_curves(records)
     if curves:
-        images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, labels)
+        images["passkey_vs_tokens"] = plots.draw_probe_curves(out, curves, labels,
+                                                              retrieval.probe_curves(records, "transfer"))
     if context_cells:
         images["context_vs_length"] = plots.draw_context(out, context.series(context_cells),
                                                          context_cells[0]["settings"]["train_length"], labels)

@@ -7,7 +7,8 @@ names each record's row with them, posbench/report/render.py lists them.
   that tell rows apart (``differs``) and its short ``label`` (:func:`label_of`: its run label, then the fewest values
   that tell apart the rows that share it);
 * :func:`eval_settings` and :func:`value_key` — what a record's numbers depend on besides the model; values sorted as
-  values.
+  values;
+* :func:`legend` — what a table's short row labels stand for, as markdown.
 """
 
 from __future__ import annotations
@@ -212,3 +213,24 @@ def value_key(value) -> tuple:
     if isinstance(value, (bool, int, float)):
         return (1, float(value), "")
     return (2, 0.0, value) if isinstance(value, str) else (3, 0.0, json.dumps(value))
+
+
+def legend(sub: list[dict]) -> list[str]:
+    """What the short row labels of one table stand for: a table of the settings that differ between its rows (a
+    column per key, "–" where a row's scheme has no such option) and a line of those its rows share; [] when no
+    setting tells the reported runs apart."""
+    rows = {r["label"]: r["differs"] for r in sub}
+    keys = list(dict.fromkeys(k for differs in rows.values() for k in differs))
+    if not keys:
+        return []
+    varying = [k for k in keys if len({d.get(k) for d in rows.values()}) > 1]
+    shared = [f"`{k}` = {v}" for k, v in next(iter(rows.values())).items() if k not in varying]
+    lines = [""]
+    if varying:
+        lines += ["| row | " + " | ".join(f"`{k}`" for k in varying) + " |", "|---" * (len(varying) + 1) + "|",
+                  *(f"| {label} | " + " | ".join(d.get(k, "–") for k in varying) + " |" for label, d in rows.items())]
+    if shared:
+        lines += [*([""] if varying else []), ("The rows of this table share " if len(rows) > 1 else
+                                                f"{next(iter(rows))} has ") + ", ".join(shared)
+                  + " (runs in the report's other tables have other values)."]
+    return lines

@@ -100,11 +100,13 @@ class Tracker:
                                        xname="evaluation length")
         self._log({"report/ppl_vs_length": chart, **{f"report/{k}": wandb.Image(str(p)) for k, p in images.items()}})
 
-    def log_passkey(self, accuracy: dict[int, float] | None) -> None:
+    def log_passkey(self, accuracy: dict[int, float] | None, transfer: dict[int, float] | None = None) -> None:
         """A passkey probe's exact-match accuracy per probe length (``posbench.evaluation.passkey.accuracy`` of a
-        record's trials), as run-summary values ``passkey/accuracy@<T>``; nothing for None."""
+        record's trials), as run-summary values ``passkey/accuracy@<T>``, and its transfer control's as
+        ``passkey/transfer@<T>``; nothing for None."""
         if accuracy:
-            self.summary(**{f"passkey/accuracy@{n}": a for n, a in accuracy.items()})
+            self.summary(**{f"passkey/accuracy@{n}": a for n, a in accuracy.items()},
+                         **{f"passkey/transfer@{n}": a for n, a in (transfer or {}).items()})
 
     def log_context(self, probe: dict | None) -> None:
         """A results record's context probe (``context``: posbench/evaluation/context.py), as run-summary values

@@ -32,6 +32,8 @@ class TrainJob:
         parent: the run whose weights this one starts from (``init_from``: posbench/training/lineage.py), or None.
         needle: the passkey format (posbench/evaluation/passkey.py) when the run trains with needles (``data.passkey_rate``)
             or probes with them (``eval.probes=[passkey]``), else None.
+        transfer_kind, transfer: the probe's transfer control, its key kind and needle (posbench/jobs/inputs.py
+            ``transfer_of``): ``"none"`` and None without one.
     """
 
     config: DictConfig
@@ -41,6 +43,8 @@ class TrainJob:
     state: dict | None = None
     parent: Parent | None = None
     needle: Needle | None = None
+    transfer_kind: str = "none"
+    transfer: Needle | None = None
 
     @cached_property
     def lineage(self) -> dict | None:

@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from posbench.config.schema import to_dict, training_options
+from posbench.data import needles
 from posbench.data.batches import copy_rate, get_batch, pose_positions, random_positions
 from posbench.evaluation import context, passkey, results
 from posbench.evaluation.perplexity import evaluate
@@ -146,8 +147,9 @@ def evaluate_run(job: TrainJob, model: torch.nn.Module, proc: Process, tracker: 
                     progress=say, rank=proc.rank, world=proc.world)
     extra = {}
     if "passkey" in e.probes:  # (every rank probes the same model; rank 0 writes)
-        extra["passkey"] = passkey.record(model, tokens, job.needle, to_dict(e.passkey), e.split, L, proc.device,
-                                          e.batch_tokens, say)
+        settings = {**to_dict(e.passkey), "trained_keys": needles.trained_keys(to_dict(job.config))}
+        extra["passkey"] = passkey.record(model, tokens, job.needle, settings, e.split, L, proc.device,
+                                          e.batch_tokens, say, job.transfer, job.transfer_kind)
     if "context" in e.probes:  # (each rank scores its share of the windows, gathered on every rank)
         extra["context"] = context.record(model, tokens, to_dict(e.context), e.split, L, list(e.lengths), e.max_tokens,
                                           proc.device, e.batch_tokens, say, proc.rank, proc.world)
@@ -205,8 +207,9 @@ class Loop:
 
     def probe(self, step: int, tokens: int, metrics, logged: int) -> None:
         """The passkey probe during training (``eval.probe_every``, and after the last step): exact-match accuracy at L
-        and at the longest probe length (the probe's windows, without their controls), as a ``metrics.jsonl`` row
-        ``{"step", "tokens", "passkey@<T>": accuracy}`` and to wandb (past ``logged``, the steps a killed run sent
+        and at the longest probe length (the probe's windows, without their controls; with the transfer control's
+        keys too), as a ``metrics.jsonl`` row ``{"step", "tokens", "passkey@<T>": accuracy, "transfer@<T>": its
+        accuracy}`` and to wandb (past ``logged``, the steps a killed run sent
         already), so a curve shows when copying forms (``training_state.probe_curve``). The step's gradients are dropped first
         (the next step sets them anew), so the probe's activations take their memory."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,14 +217,17 @@ class Loop:
         lengths = sorted({L, max(e.passkey.lengths)})
         trials = passkey.probe(self.model, self.job.corpus.tokens[e.split], self.job.needle, lengths,
                                list(e.passkey.depths), e.passkey.trials, e.passkey.seed, self.proc.device,
-                               e.batch_tokens, control=False)
-        row = {"step": step, "tokens": tokens, **{f"passkey@{n}": a for n, a in passkey.accuracy(trials).items()}}
+                               e.batch_tokens, control=False, transfer=self.job.transfer)
+        row = {"step": step, "tokens": tokens, **{f"passkey@{n}": a for n, a in passkey.accuracy(trials).items()},
+               **{f"transfer@{n}": a for n, a in passkey.accuracy(trials, "transfer_").items()}}
         metrics.write(json.dumps(row) + "\n")
         if step > logged:
             self.tracker.log_train(step, **{k: v for k, v in row.items() if k != "step"})
         if self.quiet:
-            log.info("step %d: passkey accuracy %s", step, ", ".join(f"{k[8:]}: {v:.0%}" for k, v in row.items()
-                                                                    if k.startswith("passkey@")))
+            log.info("step %d: passkey accuracy %s", step, ", ".join(
+                f"{k[8:]}: {v:.0%}" + (f" ({row[f'transfer@{k[8:]}']:.0%} on {self.job.transfer_kind})"
+                                       if f"transfer@{k[8:]}" in row else "")
+                for k, v in row.items() if k.startswith("passkey@")))
 
     def run(self, progress: Progress, stop: StopSignals) -> bool:
         """Train from ``progress.step`` (updated in place) to ``train.steps``. Returns True when a stop signal
@@ -326,7 +332,8 @@ def write_outputs(job: TrainJob, model: torch.nn.Module, config: dict, record: d
                     train_tokens=record["train_tokens"], **lineage_fields(job, record["train_tokens"]))
     results.write_results(job.run_dir, record)
     tracker.log_eval(record["results"])
-    tracker.log_passkey(passkey.accuracy(record["passkey"]["trials"]) if record.get("passkey") else None)
+    tracker.log_passkey(*(passkey.accuracy(record["passkey"]["trials"], kind) for kind in ("", "transfer_"))
+                        if record.get("passkey") else (None,))
     print(results.run_table(record), flush=True)
 
 

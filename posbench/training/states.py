@@ -228,11 +228,13 @@ def set_rng_state(rng: dict, device: torch.device) -> None:
 
 def probe_curve(run_dir) -> list[dict]:
     """The probe rows of a run's ``metrics.jsonl`` (``posbench.training.loop.Loop.probe``), in step order: [{"step", "tokens",
-    "accuracy": {T: accuracy}}]; [] when the run did not probe during training."""
+    "accuracy": {T: accuracy}, "transfer": {T: the transfer control's accuracy} ({} without one)}]; [] when the run
+    did not probe during training."""
     path, rows = run_dir / "metrics.jsonl", {}
     for line in path.read_text().splitlines() if path.exists() else []:
         row = json.loads(line)
         acc = {int(k[8:]): v for k, v in row.items() if k.startswith("passkey@")}
         if acc:
-            rows[row["step"]] = {"step": row["step"], "tokens": row["tokens"], "accuracy": acc}
+            rows[row["step"]] = {"step": row["step"], "tokens": row["tokens"], "accuracy": acc,
+                                 "transfer": {int(k[9:]): v for k, v in row.items() if k.startswith("transfer@")}}
     return [rows[k] for k in sorted(rows)]
