@@ -80,7 +80,8 @@ def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str,
 
     Raises ValueError (``eval.passkey.<option>=<value>: …``): ``key_length`` < 1, an unknown ``keys``, a key
     vocabulary the tokenizer lacks (a digit it does not spell as one token, fewer than ``key_vocab`` whole words,
-    absent tokens or tokens of the half), or a marker or end mark that the tokenizer cannot encode and decode back (or that is empty)."""
+    absent tokens or tokens of the half), or a marker or end mark that the tokenizer cannot encode and decode back (or
+    that is empty)."""
     if key_length < 1:
         raise ValueError(f"eval.passkey.key_length={key_length}: a key needs at least one token")
     if keys not in KEYS:

@@ -46,7 +46,8 @@ CSV_COLUMNS = ["scheme", "model", "data", "train_length", "length", "protocol", 
                "checkpoint", "checkpoint_sha256", "quantisation"]  # a pretrained checkpoint's (posbench eval pretrained=)
 PASSKEY_CSV = {"trials": "n", "correct": "correct", "accuracy": "accuracy", "ci_low": "ci_low", "ci_high": "ci_high",
                "gain": "gain", **{f"transfer_{k}": f"transfer_{k}" for k in ("correct", "accuracy", "ci_low", "ci_high",
-                                                                            "gain")}}  # results.csv's passkey_<column> → posbench.evaluation.retrieval.run_cells' key
+                                                                            "gain")}}
+# (results.csv's passkey_<column> → posbench.evaluation.retrieval.run_cells' key)
 
 
 def record(config: dict, rows: list[dict], label: str, split: str, train_tokens: int, train_seconds: float,
@@ -207,9 +208,9 @@ def _global_label(section, seq_len: int | None) -> str:
 def write_results(out_dir: Path, rec: dict, stem: str = "results") -> Path:
     """Write ``<stem>.json`` (the whole record) and ``<stem>.csv`` (one row per length, in length order, with the
     context probe's difference and interval at the lengths it measured, and the passkey probe's exact-match accuracy
-    and Wilson interval at its probe lengths, its own keys' and its transfer control's: a length probed but not scored for perplexity (``eval.passkey.lengths``)
-    gets a row of its own with empty perplexity cells), and, for a pretrained checkpoint, its source, the sha256 of its
-    weights and its quantisation; return the JSON path."""
+    and Wilson interval at its probe lengths, its own keys' and its transfer control's: a length probed but not
+    scored for perplexity (``eval.passkey.lengths``) gets a row of its own with empty perplexity cells), and, for a
+    pretrained checkpoint, its source, the sha256 of its weights and its quantisation; return the JSON path."""
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(rec, indent=1))
     probed = defaultdict(dict)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from posbench.evaluation import retrieval, stats
 from posbench.report.settings import legend
 
-
 PASSKEY_COLUMNS = ["table", "setting", "length", "n", "correct", "accuracy", "ci_low", "ci_high", "gain", "within_L", "valid",
                    "ranked", "best", "p_value", "star", "transfer_correct", "transfer_accuracy", "transfer_ci_low",
                    "transfer_ci_high", "transfer_gain", "reads_only", "within_L_transfer", "reads_only_within_L", "label"]

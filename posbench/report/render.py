@@ -21,8 +21,8 @@ from pathlib import Path
 from posbench.evaluation import context, retrieval, stats
 from posbench.evaluation.results import split_text
 from posbench.report import compare, plots
-from posbench.report.records import collect, origin_length, orphans
 from posbench.report.probe_tables import CONTEXT_COLUMNS, PASSKEY_COLUMNS, context_tables, passkey_tables, probe_title
+from posbench.report.records import collect, origin_length, orphans
 from posbench.report.settings import legend, settings, value_key
 
 log = logging.getLogger("posbench")
