@@ -20,6 +20,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("posbench")
@@ -82,20 +83,33 @@ class StopSignals:
             log.warning("%s to the sweep: stopping after this step, to save a checkpoint", name)
 
     def _note(self, signum, frame) -> None:
+        """The handler: records the signal, and raises KeyboardInterrupt at a second Ctrl-C. It logs nothing: it runs
+        in the main thread between two bytecodes, possibly inside a logging handler's write, whose buffer a second
+        write would enter again (``RuntimeError: reentrant call``); the watcher thread says it instead."""
         if signum == signal.SIGINT and any(s == signal.SIGINT for s, _ in self.received):
             raise KeyboardInterrupt  # the second Ctrl-C: quit now, without a checkpoint
         self.received.append((signum, frame))
-        more = " (Ctrl-C again quits at once, without one)" if signum == signal.SIGINT else ""
-        log.warning("%s: stopping after the current step, to save a checkpoint%s", signal.Signals(signum).name, more)
 
     def _watch(self, reader: socket.socket) -> None:
-        """The watcher thread: each stop signal, as soon as it arrives, starts a wait for the running step."""
+        """The watcher thread: each stop signal, as soon as it arrives (its number written to the wakeup fd by the
+        interpreter's C-level handler), starts a wait for the running step; once the handler has recorded it, the
+        signal is said in the log (after it, never before: a second Ctrl-C must find the first recorded)."""
+        said = 0  # entries of self.received said so far
         with reader:
             while data := reader.recv(64):
                 if not any(b in STOP_SIGNALS for b in data):
                     continue
                 self._stepped.clear()
-                if not self._stepped.wait(self.notice_after):
+                deadline = time.monotonic() + self.notice_after
+                while len(self.received) <= said and time.monotonic() < deadline:  # (the handler has not run yet)
+                    time.sleep(0.01)
+                for signum, frame in self.received[said:]:
+                    if frame is not None:  # (a sweep's stop file is said where it is found: step_ended)
+                        more = " (Ctrl-C again quits at once, without one)" if signum == signal.SIGINT else ""
+                        log.warning("%s: stopping after the current step, to save a checkpoint%s",
+                                    signal.Signals(signum).name, more)
+                said = len(self.received)
+                if not self._stepped.wait(max(0.0, deadline - time.monotonic())):
                     log.warning("the current training step is still running %.0f s after the stop signal; the "
                                 "checkpoint is saved when it ends (SIGKILL stops the run at once, without one)",
                                 self.notice_after)
