@@ -18,7 +18,6 @@ from tokenizers import Tokenizer
 
 KEYS = {"digits": 10, "frequent": 100, "reserved": 100, "half": None, "heldout": None}  # eval.passkey.keys → its
 # default key vocabulary size (None: the whole half)
-HALVES = ("half", "heldout")  # the two halves of one seeded split of the tokens (:func:`key_halves`)
 SPLIT_SEED = 0  # the split's seed: fixed, so every run on a tokenizer and train split has the same halves
 
 
@@ -62,6 +61,14 @@ class Needle:
     def draw_key(self, rng: np.random.Generator) -> np.ndarray:
         """k token ids drawn uniformly, with replacement, from the key vocabulary: (k,) int64."""
         return np.asarray(self.keys, dtype=np.int64)[rng.integers(0, len(self.keys), self.k)]
+
+    def draw_pair(self, rng: np.random.Generator) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A trial's key and its control's other key, drawn in that order by :meth:`draw_key`, the other redrawn
+        until it differs: two (k,) tuples of token ids."""
+        key, other = self.draw_key(rng), self.draw_key(rng)
+        while np.array_equal(other, key):
+            other = self.draw_key(rng)
+        return tuple(key.tolist()), tuple(other.tolist())
 
 
 def make_needle(tokenizer_path, train_tokens: np.ndarray, marker: str, end: str, key_length: int, key_vocab: int,

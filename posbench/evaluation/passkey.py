@@ -118,14 +118,10 @@ def trials(n_tokens: int, needle: Needle, lengths: list[int], depths: list[float
         for i in range(n):
             rng = np.random.default_rng([seed, length, i])
             offset = int(rng.integers(0, n_tokens - hay + 1))
-            key = needle.draw_key(rng)
-            other = needle.draw_key(rng)
-            while np.array_equal(other, key):
-                other = needle.draw_key(rng)
+            key, other = needle.draw_pair(rng)
             for d in depths:
                 p = round(d * hay)
-                out.append(Trial(length, float(d), i, offset, p, tuple(key.tolist()), tuple(other.tolist()),
-                                 (length - needle.k) - (p + len(needle.marker))))
+                out.append(Trial(length, float(d), i, offset, p, key, other, (length - needle.k) - (p + len(needle.marker))))
     return out
 
 
@@ -139,11 +135,7 @@ def transferred(main: list[Trial], needle: Needle, n_tokens: int, seed: int) -> 
     for t in main:
         hay = t.length - needle.needle_length - needle.query_length
         if (t.length, t.index) not in keys:
-            rng = np.random.default_rng([seed, t.length, t.index, 1])
-            key, other = needle.draw_key(rng), needle.draw_key(rng)
-            while np.array_equal(other, key):
-                other = needle.draw_key(rng)
-            keys[(t.length, t.index)] = tuple(key.tolist()), tuple(other.tolist())
+            keys[(t.length, t.index)] = needle.draw_pair(np.random.default_rng([seed, t.length, t.index, 1]))
         p = round(t.depth * hay)
         out.append(Trial(t.length, t.depth, t.index, max(0, min(t.offset, n_tokens - hay)), p, *keys[(t.length, t.index)],
                          (t.length - needle.k) - (p + len(needle.marker))))

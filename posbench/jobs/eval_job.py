@@ -137,7 +137,8 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
     if temperature:
         _change_temperature(cfg.model, temperature, source)
     finalize(cfg, training=False)  # the job's own device is checked above; the run's train.device is history
-    key_kinds(cfg.eval.passkey, needles.trained_keys(state["config"]), training=False)
+    trained_keys = needles.trained_keys(state["config"])  # (the kind of the run's training needles, or None)
+    key_kinds(cfg.eval.passkey, trained_keys, training=False)
     overrides = _overrides(to_dict(cfg.scheme), trained["scheme"], to_dict(cfg.model), trained.get("model") or {})
     model = _trained_model(state, trained, overrides, {**{f"scheme.{k}": v for k, v in given.items()},
                                                        **{f"model.{k}": v for k, v in temperature.items()}})
@@ -146,7 +147,7 @@ def prepare(job: DictConfig, run_dir: str | None = None) -> EvalJob:
     corpus = prepare_data(cfg)
     needle = needle_of(cfg, corpus) if "passkey" in cfg.eval.probes else None
     return EvalJob(cfg, state, corpus, model, overrides, Path(run_dir or eval_dir(job.run, job.pretrained)), job.device,
-                   job.threads, needle, *transfer_of(cfg, corpus, needles.trained_keys(state["config"])))
+                   job.threads, needle, *transfer_of(cfg, corpus, trained_keys))
 
 
 def _run(run: str, eval_options: DictConfig) -> tuple[DictConfig, dict]:
