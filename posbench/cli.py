@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
     except KeyboardInterrupt as e:
-        dist.finish(together=False)
+        dist.finish(together=False, status=EXIT_INTERRUPTED)
         sweep = sweep_stop.PARENT.sweep_dir
         if sweep is not None:  # the second Ctrl-C of a sweep (joblib kills its jobs)
             sweep_stop.clear(sweep)
@@ -284,6 +284,13 @@ def main(argv: list[str] | None = None) -> None:
             said = e.advice() if isinstance(e, Interrupted) else INTERRUPTED.get(argv[0] if argv else "", "")
         print(f"posbench: interrupted (Ctrl-C){said}", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _status_of(e: BaseException) -> int:
+    """The exit status ``e`` ends the process with: a SystemExit's code, 130 for Ctrl-C, else 1 (a traceback)."""
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    return EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1
 
 
 def _main(argv: list[str]) -> None:
@@ -317,11 +324,11 @@ def _main(argv: list[str]) -> None:
         status = command.stopped_sweep(argv)
         if status is not None:
             raise Exit(status)
-    except Exit:  # a refused, failed or preempted run: every rank exits here with the same status
-        dist.finish()
+    except Exit as e:  # a refused, failed or preempted run: every rank exits here with the same status
+        dist.finish(status=e.code)
         raise
     except BaseException as e:  # an unforeseen error (Hydra turns it into exit 1), maybe on this rank alone: leave
-        dist.finish(together=False)  # without waiting for the others
+        dist.finish(together=False, status=_status_of(e))  # without waiting for the others
         if isinstance(e, SystemExit) and sweep_stop.PARENT.sweep_dir is not None:
             command.broken_sweep(argv, sweep_stop.PARENT.sweep_dir)
         raise

@@ -8,6 +8,9 @@ acts as for a single process (rank 0 of 1), so callers need no branches.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 import numpy as np
 import torch
@@ -91,14 +94,34 @@ def main_only(fn):
     return result
 
 
-def finish(together: bool = True) -> None:
+LEAVE_TIMEOUT_S = 60.0  # seconds a rank may take to leave the group and exit before it exits anyway (see finish)
+
+
+def finish(together: bool = True, status: int = 0) -> None:
     """Leave the process group (a no-op without one). ``together``: all ranks reach this point on the same
     path (a finished, failed or preempted run: a barrier first, so none leaves while another still needs it);
-    else leave at once, as a rank stopped by an unforeseen error must (the others may never get here)."""
+    else leave at once, as a rank stopped by an unforeseen error must (the others may never get here).
+
+    The last step of a rank: its results and checkpoints are written before it. torch.distributed's teardown
+    can hang after every rank has left the barrier (rarely; pytorch/pytorch#75097, and seen once in posbench's
+    own tests on gloo), so a rank still alive :data:`LEAVE_TIMEOUT_S` seconds after it began to leave says so on
+    stderr and exits with ``status``, the status it was leaving with."""
     if dist.is_initialized():
         if together:
             dist.barrier()
+        threading.Thread(target=_exit_after, args=(LEAVE_TIMEOUT_S, status), daemon=True,
+                         name="posbench-leave-watchdog").start()
         dist.destroy_process_group()
+
+
+def _exit_after(seconds: float, status: int) -> None:
+    """The watchdog of :func:`finish`: a daemon thread, so a process that exits in time ends it unseen."""
+    time.sleep(seconds)
+    print(f"posbench: warning: rank {rank()} was still leaving the process group {seconds:.0f} s after it began "
+          f"(torch.distributed's teardown hung); it exits with status {status} without waiting further",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)
 
 
 def seed_rank(seed: int, rank: int) -> None:
